@@ -1,0 +1,13 @@
+"""Kiln: an ahead-of-time LLM engine compiler and runtime."""
+from kiln.version import __version__
+
+__all__ = ["__version__", "LLM", "AsyncLLM", "SamplingParams"]
+
+
+def __getattr__(name):
+    # The runtime pulls in torch and transformers; keep `import kiln` (and CLI --help) light.
+    if name in ("LLM", "AsyncLLM", "SamplingParams"):
+        from kiln.runtime import llm, sampling_params, async_llm
+        return {"LLM": llm.LLM, "AsyncLLM": async_llm.AsyncLLM,
+                "SamplingParams": sampling_params.SamplingParams}[name]
+    raise AttributeError(name)

@@ -1,0 +1,49 @@
+"""Backends turn one rank's ExportedProgram into a serialized engine file, and load it back."""
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def compile_aoti(program, path: Path, max_autotune: bool) -> None:
+    configs = {"max_autotune": max_autotune, "max_autotune_gemm_backends": "CPP,ATEN"} if max_autotune else {}
+    # AOTInductor insists on a .pt2 name; the engine dir calls it rank{N}.engine.
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        package = Path(tmp) / "model.pt2"
+        torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
+        os.replace(package, path)
+
+
+def compile_eager(program, path: Path, max_autotune: bool) -> None:
+    with open(path, "wb") as f:  # a file object: torch.export wants a .pt2 name otherwise
+        torch.export.save(program, f)
+
+
+COMPILERS = {"aoti": compile_aoti, "eager": compile_eager}
+
+
+def load(backend: str, path: Path):
+    """A callable taking the step inputs as keyword arguments and returning logits."""
+    import kiln.plugins  # noqa: F401  (registers the kiln:: ops the engine calls)
+
+    if backend == "aoti":
+        with open(path, "rb") as f:  # a file object: a path would have to end in .pt2
+            return torch._inductor.aoti_load_package(f)
+    if backend == "eager":
+        with open(path, "rb") as f:
+            return torch.export.load(f).module()
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+             "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
+             "added_tokens.json")
+    copied = []
+    for name in names:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,77 @@
+"""engine-build: checkpoint dir -> engine dir (config.json, rank{N}.engine, tokenizer files)."""
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kiln.build import backends
+from kiln.build.export import export
+from kiln.config import BuildConfig, ConfigError, EngineConfig, PretrainedConfig, torch_dtype, write_json
+from kiln.models.llama import LlamaForCausalLM, checkpoint_shapes
+from kiln.utils import peak_rss_mb, replace_dir, progress
+
+
+def load_rank_weights(checkpoint_dir: Path, config: PretrainedConfig, rank: int) -> dict:
+    path = checkpoint_dir / f"rank{rank}.safetensors"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: the checkpoint's mapping (world_size "
+                          f"{config.mapping.world_size}) needs one file per rank")
+    expected = checkpoint_shapes(config, rank)
+    dtype = torch_dtype(config.dtype)
+    weights = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+            missing = sorted(set(expected) - names)
+            if missing:
+                raise ConfigError(f"{path}: missing tensor {missing[0]}"
+                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            for name, shape in expected.items():
+                t = f.get_tensor(name)
+                if tuple(t.shape) != shape:
+                    raise ConfigError(f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+                weights[name] = t.to(dtype)
+    except ConfigError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        raise ConfigError(f"{path} is not a readable safetensors file: {e}") from None
+    return weights
+
+
+def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print) -> Path:
+    start = time.time()
+    checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    pretrained = PretrainedConfig.load(checkpoint_dir)
+    if pretrained.mapping.world_size != 1:
+        raise ConfigError(f"checkpoint {checkpoint_dir} has world_size {pretrained.mapping.world_size}; "
+                          f"this release builds single-rank engines only (convert with --tp_size 1 --pp_size 1)")
+    if pretrained.quantization.quant_algo or pretrained.quantization.kv_cache_quant_algo:
+        raise ConfigError(f"checkpoint {checkpoint_dir} is quantized "
+                          f"({pretrained.quantization.quant_algo}); quantized engines are not supported yet")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+    try:
+        for rank in range(pretrained.mapping.world_size):
+            with progress(total=3, desc=f"rank {rank}") as bar:
+                weights = load_rank_weights(checkpoint_dir, pretrained, rank)
+                model = LlamaForCausalLM(pretrained, weights, pretrained.mapping.pp_rank(rank),
+                                         build.plugin_config).eval()
+                bar.update(1)
+                program = export(model, pretrained, build)
+                del model, weights
+                bar.update(1)
+                backends.COMPILERS[build.backend](program, tmp / f"rank{rank}.engine", build.max_autotune)
+                bar.update(1)
+        write_json(tmp / "config.json", EngineConfig(pretrained, build).to_dict())
+        backends.copy_tokenizer(checkpoint_dir, tmp)
+        replace_dir(tmp, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(f.stat().st_size for f in output_dir.iterdir()) / 2**20
+    log(f"built {build.backend} engine in {time.time() - start:.1f}s: "
+        f"{pretrained.mapping.world_size} rank(s), {size:.1f} MB, peak RSS {peak_rss_mb():.0f} MB -> {output_dir}")
+    return output_dir

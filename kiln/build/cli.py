@@ -1,0 +1,49 @@
+"""`engine-build`: compile a checkpoint dir into an engine dir."""
+import click
+
+from kiln.config import BACKENDS, BuildConfig, ConfigError
+
+BUILD_OPTIONS = [
+    click.option("--max_batch_size", type=int, default=8, show_default=True,
+                 help="Most requests in one engine step."),
+    click.option("--max_input_len", type=int, default=512, show_default=True,
+                 help="Longest prompt, in tokens."),
+    click.option("--max_seq_len", type=int, default=1024, show_default=True,
+                 help="Longest prompt + generated tokens of one request."),
+    click.option("--max_num_tokens", type=int, default=1024, show_default=True,
+                 help="Most tokens in one engine step (prefill chunks + decodes)."),
+    click.option("--tokens_per_block", type=int, default=32, show_default=True,
+                 help="Tokens per paged-KV block."),
+    click.option("--backend", type=click.Choice(BACKENDS), default="aoti", show_default=True,
+                 help="aoti: AOTInductor-compiled package; eager: the exported program, uncompiled."),
+    click.option("--max_autotune/--no_max_autotune", default=False, show_default=True,
+                 help="aoti: benchmark GEMM kernels while compiling (slower build, faster bf16 engine)."),
+    click.option("--workers", type=int, default=1, show_default=True,
+                 help="Ranks compiled in parallel (each compile also uses all threads)."),
+]
+
+
+def build_options(f):
+    for option in reversed(BUILD_OPTIONS):
+        f = option(f)
+    return f
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--checkpoint_dir", required=True, type=click.Path(file_okay=False),
+              help="Checkpoint dir written by convert_checkpoint (config.json, rank{N}.safetensors).")
+@click.option("--output_dir", required=True, type=click.Path(file_okay=False),
+              help="Engine dir to write (config.json, rank{N}.engine, tokenizer files).")
+@build_options
+def main(checkpoint_dir, output_dir, workers, **options):
+    """Compile a Kiln/TensorRT-LLM checkpoint into a serialized engine dir.
+
+    The output is written to a temporary dir beside OUTPUT_DIR and renamed into place when
+    every rank has compiled, so a failed build leaves nothing behind.
+    """
+    from kiln.build.builder import build_engine
+
+    try:
+        build_engine(checkpoint_dir, output_dir, BuildConfig(**options), log=click.echo)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None

@@ -1,0 +1,59 @@
+"""`torch.export` of one rank's model with dynamic shapes bounded by the build config."""
+import torch
+from torch.export import Dim
+
+from kiln.config import BuildConfig, PretrainedConfig, torch_dtype
+
+
+def kv_cache_dtype(pretrained: PretrainedConfig, build: BuildConfig) -> torch.dtype:
+    return torch_dtype(build.kv_cache_dtype or pretrained.dtype)
+
+
+def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks: int = 16):
+    """A small mixed step (2 context chunks + 3 decodes) with every dynamic size distinct and > 1,
+    so that export neither specializes a size nor infers equalities that do not hold."""
+    bs = build.tokens_per_block
+    ctx_q, num_ctx, num_gen = 3, 2, 3
+    T = ctx_q * num_ctx + num_gen
+    i32 = dict(dtype=torch.int32)
+    ctx_token_index = torch.arange(num_ctx * ctx_q, **i32).view(num_ctx, ctx_q)
+    kv = torch.zeros(len(pretrained.layers_of(0)), 2, num_blocks, bs, pretrained.kv_heads_per_rank,
+                     pretrained.head_size, dtype=kv_cache_dtype(pretrained, build))
+    return dict(
+        input_ids=torch.arange(T, dtype=torch.int64) % pretrained.vocab_size,
+        positions=torch.arange(T, dtype=torch.int64),
+        slot_mapping=torch.arange(T, dtype=torch.int64),
+        ctx_token_index=ctx_token_index.long(),
+        ctx_block_tables=torch.zeros(num_ctx, 4, **i32),
+        ctx_context_lens=torch.full((num_ctx,), ctx_q, **i32),
+        gen_token_index=torch.arange(num_ctx * ctx_q, T, dtype=torch.int64),
+        gen_block_tables=torch.ones(num_gen, 5, **i32),
+        gen_context_lens=torch.full((num_gen,), 2, **i32),
+        logits_index=torch.arange(T - 5, T, dtype=torch.int64),
+        kv_cache=kv,
+    )
+
+
+def dynamic_shapes(build: BuildConfig):
+    def dim(name, lo, hi):
+        return Dim(name, min=lo, max=max(hi, 2))
+
+    T = dim("num_tokens", 1, build.max_num_tokens)
+    Sc, Sg = dim("num_ctx", 0, build.max_batch_size), dim("num_gen", 0, build.max_batch_size)
+    Q = dim("max_ctx_tokens", 1, build.max_num_tokens)
+    MBc = dim("ctx_blocks", 1, build.max_blocks_per_seq)
+    MBg = dim("gen_blocks", 1, build.max_blocks_per_seq)
+    N = dim("num_logits", 1, build.max_num_tokens)
+    blocks = Dim("num_blocks", min=2, max=1 << 24)
+    return dict(
+        input_ids={0: T}, positions={0: T}, slot_mapping={0: T},
+        ctx_token_index={0: Sc, 1: Q}, ctx_block_tables={0: Sc, 1: MBc}, ctx_context_lens={0: Sc},
+        gen_token_index={0: Sg}, gen_block_tables={0: Sg, 1: MBg}, gen_context_lens={0: Sg},
+        logits_index={0: N}, kv_cache={2: blocks},
+    )
+
+
+def export(model: torch.nn.Module, pretrained: PretrainedConfig, build: BuildConfig):
+    inputs = example_inputs(pretrained, build)
+    with torch.no_grad():
+        return torch.export.export(model, (), inputs, dynamic_shapes=dynamic_shapes(build), strict=False)

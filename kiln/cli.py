@@ -1,0 +1,75 @@
+"""`kiln`: one command for the whole pipeline (convert, build, run)."""
+import sys
+import time
+
+import click
+
+from kiln.build.cli import main as build_command
+from kiln.convert.cli import main as convert_command
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kiln-llm")
+def cli():
+    """Kiln: convert a Hugging Face checkpoint, compile it into an engine, and generate from it."""
+
+
+cli.add_command(convert_command, "convert")
+cli.add_command(build_command, "build")
+
+
+@cli.command()
+@click.option("--engine_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Engine dir written by engine-build.")
+@click.option("--prompt", "prompts", multiple=True, required=True,
+              help="Prompt text; repeat for several prompts (generated together, printed in turn).")
+@click.option("--max_tokens", type=int, default=64, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top_k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top_p", type=float, default=1.0, show_default=True)
+@click.option("--min_p", type=float, default=0.0, show_default=True)
+@click.option("--repetition_penalty", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Per-request seed for reproducible sampling.")
+@click.option("--stop", multiple=True, help="Stop string; repeatable.")
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: torch's, i.e. all cores).")
+def run(engine_dir, prompts, threads, stop, **sampling):
+    """Generate from an engine dir, streaming each prompt's text to the terminal."""
+    from kiln.runtime.llm_engine import LLMEngine
+    from kiln.runtime.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(stop=list(stop) or None, **sampling)
+        engine = LLMEngine(engine_dir, threads=threads)
+        requests = [engine.add_request(p, params) for p in prompts]
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    shown = {r.request_id: 0 for r in requests}
+    current = 0
+    start = time.monotonic()
+    done = {}
+    click.echo(prompts[0], nl=False)
+    while engine.has_unfinished_requests() or current < len(requests):
+        for out in engine.step():
+            done[out.request_id] = out
+        # Stream the current prompt's text as it grows; the others are buffered until its turn.
+        while current < len(requests):
+            rid = requests[current].request_id
+            out = done.get(rid)
+            if out is None:
+                break
+            text = out.outputs[0].text
+            click.echo(text[shown[rid]:], nl=False)
+            sys.stdout.flush()
+            shown[rid] = len(text)
+            if not out.finished:
+                break
+            m = out.metrics
+            click.echo(f"\n[{len(out.outputs[0].token_ids)} tokens, finish: {out.outputs[0].finish_reason}, "
+                       f"TTFT {m.time_to_first_token * 1e3:.0f} ms"
+                       + (f", {1 / m.time_per_output_token:.1f} tok/s]" if m.time_per_output_token else "]"),
+                       err=True)
+            current += 1
+            if current < len(requests):
+                click.echo(prompts[current], nl=False)
+    total = sum(len(o.outputs[0].token_ids) for o in done.values())
+    click.echo(f"generated {total} tokens for {len(requests)} prompt(s) in {time.monotonic() - start:.2f}s", err=True)

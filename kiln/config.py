@@ -1,0 +1,267 @@
+"""Checkpoint and build configs, in TensorRT-LLM's unified-checkpoint JSON layout."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.version import __version__
+
+DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3")
+
+
+class ConfigError(ValueError):
+    """A config file or value that Kiln cannot use; the message names the field and what was expected."""
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported; expected one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+@dataclass
+class Mapping:
+    world_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self):
+        for name in ("tp_size", "pp_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"mapping.{name} must be >= 1, got {getattr(self, name)}")
+        if self.world_size != self.tp_size * self.pp_size:
+            raise ConfigError(
+                f"mapping.world_size ({self.world_size}) must equal tp_size * pp_size "
+                f"({self.tp_size} * {self.pp_size})"
+            )
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp_size
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // self.tp_size
+
+
+@dataclass
+class QuantConfig:
+    quant_algo: str | None = None
+    kv_cache_quant_algo: str | None = None
+    group_size: int = 128
+    has_zero_point: bool = False
+    pre_quant_scale: bool = False
+    exclude_modules: list[str] | None = None
+
+
+@dataclass
+class PretrainedConfig:
+    architecture: str
+    dtype: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_size: int
+    intermediate_size: int
+    max_position_embeddings: int
+    hidden_act: str = "silu"
+    norm_epsilon: float = 1e-6
+    position_embedding_type: str = "rope_gpt_neox"
+    rotary_base: float = 10000.0
+    rotary_scaling: dict | None = None
+    attn_bias: bool = False
+    qk_layernorm: bool = False
+    tie_word_embeddings: bool = False
+    use_parallel_embedding: bool = True
+    embedding_sharding_dim: int = 0
+    logits_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    mapping: Mapping = field(default_factory=Mapping)
+    quantization: QuantConfig = field(default_factory=QuantConfig)
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"architecture {self.architecture!r} is not supported; expected one of "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        torch_dtype(self.dtype)
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.rotary_scaling is not None:
+            kind = self.rotary_scaling.get("type")
+            if kind not in ROPE_SCALING_TYPES:
+                raise ConfigError(
+                    f"rotary_scaling.type {kind!r} is not supported; expected one of "
+                    f"{', '.join(ROPE_SCALING_TYPES)}"
+                )
+        tp = self.mapping.tp_size
+        if self.num_attention_heads % tp:
+            raise ConfigError(
+                f"tp_size {tp} does not divide num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_key_value_heads % tp and tp % self.num_key_value_heads:
+            raise ConfigError(
+                f"tp_size {tp} and num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"one another"
+            )
+        if self.intermediate_size % tp:
+            raise ConfigError(
+                f"tp_size {tp} does not divide intermediate_size ({self.intermediate_size})"
+            )
+        if self.num_hidden_layers < self.mapping.pp_size:
+            raise ConfigError(
+                f"pp_size {self.mapping.pp_size} exceeds num_hidden_layers ({self.num_hidden_layers})"
+            )
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.num_key_value_heads // self.mapping.tp_size)
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_attention_heads // self.mapping.tp_size
+
+    @property
+    def vocab_size_padded(self) -> int:
+        tp = self.mapping.tp_size
+        return -(-self.vocab_size // tp) * tp
+
+    def layers_of(self, pp_rank: int) -> range:
+        """Layers held by a pipeline stage: an even split, earlier stages taking the remainder."""
+        n, pp = self.num_hidden_layers, self.mapping.pp_size
+        base, extra = divmod(n, pp)
+        start = pp_rank * base + min(pp_rank, extra)
+        return range(start, start + base + (1 if pp_rank < extra else 0))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PretrainedConfig":
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                   and f.name not in d]
+        if missing:
+            raise ConfigError(f"checkpoint config is missing field(s): {', '.join(missing)}")
+        d["mapping"] = Mapping(**d.get("mapping", {}))
+        d["quantization"] = QuantConfig(**{k: v for k, v in (d.get("quantization") or {}).items()
+                                           if k in {f.name for f in dataclasses.fields(QuantConfig)}})
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def load(cls, checkpoint_dir: str | Path) -> "PretrainedConfig":
+        return cls.from_dict(read_json(Path(checkpoint_dir) / "config.json"))
+
+
+BACKENDS = ("aoti", "eager")
+
+
+@dataclass
+class BuildConfig:
+    max_batch_size: int = 8
+    max_input_len: int = 512
+    max_seq_len: int = 1024
+    max_num_tokens: int = 1024
+    tokens_per_block: int = 32
+    kv_cache_dtype: str | None = None  # None: the model's dtype
+    backend: str = "aoti"
+    max_autotune: bool = False
+    plugin_config: dict = field(default_factory=lambda: {
+        "gpt_attention_plugin": "auto", "rmsnorm_plugin": None, "rope_plugin": None,
+        "swiglu_plugin": None,
+    })
+    kiln_version: str = __version__
+    target_device: str = "cpu"
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r} is not supported; expected one of {', '.join(BACKENDS)}")
+        for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_input_len > self.max_seq_len:
+            raise ConfigError(
+                f"max_input_len ({self.max_input_len}) must not exceed max_seq_len ({self.max_seq_len})"
+            )
+        if self.max_num_tokens < self.max_batch_size:
+            raise ConfigError(
+                f"max_num_tokens ({self.max_num_tokens}) must be >= max_batch_size ({self.max_batch_size})"
+            )
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.tokens_per_block)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BuildConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class EngineConfig:
+    pretrained_config: PretrainedConfig
+    build_config: BuildConfig
+
+    def to_dict(self) -> dict:
+        return {"version": __version__, "pretrained_config": self.pretrained_config.to_dict(),
+                "build_config": self.build_config.to_dict()}
+
+    @classmethod
+    def load(cls, engine_dir: str | Path) -> "EngineConfig":
+        path = Path(engine_dir) / "config.json"
+        d = read_json(path)
+        if "pretrained_config" not in d or "build_config" not in d:
+            raise ConfigError(f"{path} is not an engine config (expected 'pretrained_config' and 'build_config')")
+        built_with = d["build_config"].get("kiln_version") or d.get("version")
+        if not compatible_version(built_with):
+            raise ConfigError(
+                f"engine dir {engine_dir} was built by kiln {built_with}, which this kiln "
+                f"({__version__}) cannot load; rebuild it with `engine-build`"
+            )
+        return cls(PretrainedConfig.from_dict(d["pretrained_config"]),
+                   BuildConfig.from_dict(d["build_config"]))
+
+
+def compatible_version(built_with: str | None) -> bool:
+    """Engines are compatible within one major.minor release."""
+    if not built_with:
+        return False
+    return built_with.split(".")[:2] == __version__.split(".")[:2]
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path} not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,157 @@
+"""TensorRT-LLM weight names, and how HF tensors are split across tensor/pipeline-parallel ranks.
+
+A rank's weights are described as a plan: a list of (TensorRT-LLM name, builder) pairs whose
+builders read only that rank's slice of each HF tensor. The writer runs one rank's plan at a time,
+so peak memory stays near one output shard.
+
+Layout conventions, all as in TensorRT-LLM:
+- linear weights are (out, in); column-parallel layers (qkv, fc, gate) split dim 0, row-parallel
+  ones (dense, proj) split dim 1;
+- qkv is fused per rank as [this rank's q rows; its k rows; its v rows];
+- with more ranks than KV heads, each KV head is replicated on tp // kv_heads consecutive ranks;
+- embedding and lm_head are padded with zero rows to a multiple of tp and split along vocab;
+- layer indices inside a pipeline stage's file are global.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+
+from kiln.config import PretrainedConfig
+
+# A builder takes the open HF weights (kiln.convert.hf.HFWeights) and returns one rank tensor.
+Builder = Callable[[object], torch.Tensor]
+
+HF_EMBED = "model.embed_tokens.weight"
+HF_NORM = "model.norm.weight"
+HF_LM_HEAD = "lm_head.weight"
+
+
+def hf_layer(i: int, suffix: str) -> str:
+    return f"model.layers.{i}.{suffix}"
+
+
+def trt_layer(i: int, suffix: str) -> str:
+    return f"transformer.layers.{i}.{suffix}"
+
+
+def source_shapes(cfg: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor the conversion reads, with the shape config.json implies for it."""
+    h, hd, inter = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
+    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {HF_EMBED: (cfg.vocab_size, h), HF_NORM: (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes[HF_LM_HEAD] = (cfg.vocab_size, h)
+    for i in range(cfg.num_hidden_layers):
+        layer = {
+            "input_layernorm.weight": (h,),
+            "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q_out, h),
+            "self_attn.k_proj.weight": (kv_out, h),
+            "self_attn.v_proj.weight": (kv_out, h),
+            "self_attn.o_proj.weight": (h, q_out),
+            "mlp.gate_proj.weight": (inter, h),
+            "mlp.up_proj.weight": (inter, h),
+            "mlp.down_proj.weight": (h, inter),
+        }
+        if cfg.attn_bias:
+            layer.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
+                          "self_attn.v_proj.bias": (kv_out,)})
+        if cfg.qk_layernorm:
+            layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+        shapes.update({hf_layer(i, k): v for k, v in layer.items()})
+    return shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# builders: each reads just the slice one rank needs
+
+
+def _whole(name: str, src) -> torch.Tensor:
+    return src.read(name)
+
+
+def _split(name: str, dim: int, size: int, tp: int, tp_rank: int, src) -> torch.Tensor:
+    part = size // tp
+    return src.read(name, dim, tp_rank * part, (tp_rank + 1) * part)
+
+
+def kv_head_range(cfg: PretrainedConfig, tp_rank: int) -> range:
+    """The KV heads a tp rank holds: an even split, or one replicated head when tp > kv_heads."""
+    tp, kv = cfg.mapping.tp_size, cfg.num_key_value_heads
+    if tp <= kv:
+        per = kv // tp
+        return range(tp_rank * per, (tp_rank + 1) * per)
+    head = tp_rank // (tp // kv)
+    return range(head, head + 1)
+
+
+def _qkv(cfg: PretrainedConfig, i: int, tp_rank: int, kind: str, src) -> torch.Tensor:
+    hd, per_q = cfg.head_size, cfg.heads_per_rank
+    kv = kv_head_range(cfg, tp_rank)
+    q = src.read(hf_layer(i, f"self_attn.q_proj.{kind}"), 0,
+                 tp_rank * per_q * hd, (tp_rank + 1) * per_q * hd)
+    k = src.read(hf_layer(i, f"self_attn.k_proj.{kind}"), 0, kv.start * hd, kv.stop * hd)
+    v = src.read(hf_layer(i, f"self_attn.v_proj.{kind}"), 0, kv.start * hd, kv.stop * hd)
+    return torch.cat([q, k, v], dim=0)
+
+
+def _vocab(cfg: PretrainedConfig, name: str, tp_rank: int, src) -> torch.Tensor:
+    # This rank's rows of the zero-padded [vocab_size_padded, hidden] table; only the last
+    # ranks' rows can reach past vocab_size.
+    part = cfg.vocab_size_padded // cfg.mapping.tp_size
+    start, stop = tp_rank * part, (tp_rank + 1) * part
+    real = src.read(name, 0, min(start, cfg.vocab_size), min(stop, cfg.vocab_size))
+    if real.shape[0] == part:
+        return real
+    pad = real.new_zeros((part - real.shape[0], cfg.hidden_size))
+    return torch.cat([real, pad], dim=0)
+
+
+def rank_plan(cfg: PretrainedConfig, rank: int) -> list[tuple[str, Builder]]:
+    """(TensorRT-LLM name, builder) for every tensor of rank `rank`'s checkpoint file."""
+    tp = cfg.mapping.tp_size
+    tp_rank, pp_rank = cfg.mapping.tp_rank(rank), cfg.mapping.pp_rank(rank)
+    q_out, inter = cfg.num_attention_heads * cfg.head_size, cfg.intermediate_size
+    plan: list[tuple[str, Builder]] = []
+
+    if pp_rank == 0:
+        plan.append(("transformer.vocab_embedding.weight", partial(_vocab, cfg, HF_EMBED, tp_rank)))
+
+    for i in cfg.layers_of(pp_rank):
+        plan += [
+            (trt_layer(i, "input_layernorm.weight"), partial(_whole, hf_layer(i, "input_layernorm.weight"))),
+            (trt_layer(i, "attention.qkv.weight"), partial(_qkv, cfg, i, tp_rank, "weight")),
+        ]
+        if cfg.attn_bias:
+            plan.append((trt_layer(i, "attention.qkv.bias"), partial(_qkv, cfg, i, tp_rank, "bias")))
+        if cfg.qk_layernorm:
+            plan += [
+                (trt_layer(i, "attention.q_layernorm.weight"),
+                 partial(_whole, hf_layer(i, "self_attn.q_norm.weight"))),
+                (trt_layer(i, "attention.k_layernorm.weight"),
+                 partial(_whole, hf_layer(i, "self_attn.k_norm.weight"))),
+            ]
+        plan += [
+            (trt_layer(i, "attention.dense.weight"),
+             partial(_split, hf_layer(i, "self_attn.o_proj.weight"), 1, q_out, tp, tp_rank)),
+            (trt_layer(i, "post_layernorm.weight"),
+             partial(_whole, hf_layer(i, "post_attention_layernorm.weight"))),
+            # TensorRT-LLM's "fc" is the activated branch (HF gate_proj) and its "gate" the
+            # multiplier (HF up_proj) - the names are swapped relative to HF's on purpose.
+            (trt_layer(i, "mlp.fc.weight"),
+             partial(_split, hf_layer(i, "mlp.gate_proj.weight"), 0, inter, tp, tp_rank)),
+            (trt_layer(i, "mlp.gate.weight"),
+             partial(_split, hf_layer(i, "mlp.up_proj.weight"), 0, inter, tp, tp_rank)),
+            (trt_layer(i, "mlp.proj.weight"),
+             partial(_split, hf_layer(i, "mlp.down_proj.weight"), 1, inter, tp, tp_rank)),
+        ]
+
+    if pp_rank == cfg.mapping.pp_size - 1:
+        plan.append(("transformer.ln_f.weight", partial(_whole, HF_NORM)))
+        # lm_head is always written, even when tied: the engine then needs no tying logic.
+        head = HF_EMBED if cfg.tie_word_embeddings else HF_LM_HEAD
+        plan.append(("lm_head.weight", partial(_vocab, cfg, head, tp_rank)))
+    return plan

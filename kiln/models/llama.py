@@ -1,0 +1,159 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) on kiln plugins.
+
+One rank's model: it holds the layers of its pipeline stage and runs one engine step (DESIGN.md,
+"The engine step") over a flat, unpadded token batch that mixes prefill chunks and decode tokens.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.config import PretrainedConfig
+from kiln.models import rope
+from kiln.plugins import cpu, ops
+
+STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "ctx_token_index", "ctx_block_tables",
+               "ctx_context_lens", "gen_token_index", "gen_block_tables", "gen_context_lens",
+               "logits_index", "kv_cache")
+
+
+class _Ops:
+    """Picks the plugin op or the inline CPU path (fused by the graph compiler) for each elementwise op."""
+
+    def __init__(self, plugin_config: dict):
+        def pick(key, name):
+            return getattr(ops if plugin_config.get(key) else cpu, name)
+
+        self.rms_norm = pick("rmsnorm_plugin", "rms_norm")
+        self.fused_add_rms_norm = pick("rmsnorm_plugin", "fused_add_rms_norm")
+        self.rotary_embedding = pick("rope_plugin", "rotary_embedding")
+        self.silu_and_mul = pick("swiglu_plugin", "silu_and_mul")
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, weights: dict, prefix: str):
+        super().__init__()
+
+        def param(name, optional=False):
+            key = prefix + name
+            if key not in weights:
+                if optional:
+                    return None
+                raise KeyError(f"missing tensor {key}")
+            return nn.Parameter(weights[key], requires_grad=False)
+
+        self.input_layernorm = param("input_layernorm.weight")
+        self.qkv = param("attention.qkv.weight")
+        self.qkv_bias = param("attention.qkv.bias", optional=True)
+        self.q_layernorm = param("attention.q_layernorm.weight", optional=not config.qk_layernorm)
+        self.k_layernorm = param("attention.k_layernorm.weight", optional=not config.qk_layernorm)
+        self.dense = param("attention.dense.weight")
+        self.post_layernorm = param("post_layernorm.weight")
+        # fc (activated) and gate as one GEMM: one pass over the activations instead of two.
+        self.gate_up = nn.Parameter(torch.cat([weights[prefix + "mlp.fc.weight"],
+                                               weights[prefix + "mlp.gate.weight"]]), requires_grad=False)
+        self.proj = param("mlp.proj.weight")
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig, weights: dict, pp_rank: int = 0,
+                 plugin_config: dict | None = None):
+        super().__init__()
+        self.config = config
+        self.ops = _Ops(plugin_config or {})
+        self.layer_ids = list(config.layers_of(pp_rank))
+        self.is_first = pp_rank == 0
+        self.is_last = pp_rank == config.mapping.pp_size - 1
+        self.num_heads = config.heads_per_rank
+        self.num_kv_heads = config.kv_heads_per_rank
+        self.head_size = config.head_size
+        self.eps = config.norm_epsilon
+        self.scale = config.head_size ** -0.5
+        if config.mapping.tp_size != 1 or config.mapping.pp_size != 1:
+            raise NotImplementedError("multi-rank engines are not supported yet; build with tp_size=pp_size=1")
+        self.vocab_embedding = nn.Parameter(weights["transformer.vocab_embedding.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(
+            LlamaLayer(config, weights, f"transformer.layers.{i}.") for i in self.layer_ids)
+        self.ln_f = nn.Parameter(weights["transformer.ln_f.weight"], requires_grad=False)
+        lm_head = weights["lm_head.weight"]
+        if config.tie_word_embeddings and torch.equal(lm_head, self.vocab_embedding):
+            self.lm_head = self.vocab_embedding  # one copy of the table in the engine, not two
+        else:
+            self.lm_head = nn.Parameter(lm_head, requires_grad=False)
+        self.register_buffer("inv_freq", rope.inv_freq(config), persistent=False)
+
+    def forward(self, input_ids, positions, slot_mapping, ctx_token_index, ctx_block_tables,
+                ctx_context_lens, gen_token_index, gen_block_tables, gen_context_lens, logits_index,
+                kv_cache):
+        o, T = self.ops, input_ids.shape[0]
+        H, KH, D = self.num_heads, self.num_kv_heads, self.head_size
+        rope_lens = None
+        if (self.config.rotary_scaling or {}).get("type") == "dynamic":
+            rope_lens = _rope_lens(positions, ctx_token_index, ctx_context_lens)
+        cos, sin = rope.cos_sin(self.config, self.inv_freq, positions, rope_lens)
+
+        hidden = F.embedding(input_ids, self.vocab_embedding)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual, x = hidden, o.rms_norm(hidden, layer.input_layernorm, self.eps)
+            else:
+                x, residual = o.fused_add_rms_norm(hidden, residual, layer.input_layernorm, self.eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([H * D, KH * D, KH * D], dim=-1)
+            q, k, v = q.view(T, H, D), k.view(T, KH, D), v.view(T, KH, D)
+            if layer.q_layernorm is not None:
+                q = o.rms_norm(q, layer.q_layernorm, self.eps)
+                k = o.rms_norm(k, layer.k_layernorm, self.eps)
+            q, k = o.rotary_embedding(q, k, cos, sin)
+            ops.kv_cache_write(kv_cache, i, k, v, slot_mapping)
+            attn = ops.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
+                                       gen_token_index, gen_block_tables, gen_context_lens, self.scale)
+            hidden = F.linear(attn.reshape(T, H * D), layer.dense)
+            x, residual = o.fused_add_rms_norm(hidden, residual, layer.post_layernorm, self.eps)
+            hidden = F.linear(o.silu_and_mul(F.linear(x, layer.gate_up)), layer.proj)
+
+        # Only the selected tokens go through the final norm and the vocab GEMM.
+        hidden = (hidden + residual)[logits_index]
+        hidden = o.rms_norm(hidden, self.ln_f, self.eps)
+        return F.linear(hidden, self.lm_head).float()[:, : self.config.vocab_size]
+
+
+def _rope_lens(positions, ctx_token_index, ctx_context_lens):
+    """Per token, the length its forward pass reaches: the chunk's end for context tokens, else pos + 1."""
+    T = positions.shape[0]
+    lens = torch.cat([positions + 1, positions.new_zeros(1)])
+    index = torch.where(ctx_token_index >= 0, ctx_token_index, T).flatten()
+    lens = lens.index_put((index,), ctx_context_lens[:, None].expand_as(ctx_token_index).flatten().to(lens.dtype))
+    return lens[:T]
+
+
+def checkpoint_shapes(config: PretrainedConfig, rank: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a rank's checkpoint file must hold, with its shape."""
+    m = config.mapping
+    pp_rank = m.pp_rank(rank)
+    hidden, D = config.hidden_size, config.head_size
+    inter = config.intermediate_size // m.tp_size
+    qkv_out = (config.heads_per_rank + 2 * config.kv_heads_per_rank) * D
+    shapes = {}
+    if pp_rank == 0:
+        shapes["transformer.vocab_embedding.weight"] = (config.vocab_size_padded // m.tp_size, hidden)
+    for i in config.layers_of(pp_rank):
+        p = f"transformer.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (hidden,),
+            p + "attention.qkv.weight": (qkv_out, hidden),
+            p + "attention.dense.weight": (hidden, config.heads_per_rank * D),
+            p + "post_layernorm.weight": (hidden,),
+            p + "mlp.fc.weight": (inter, hidden),
+            p + "mlp.gate.weight": (inter, hidden),
+            p + "mlp.proj.weight": (hidden, inter),
+        })
+        if config.attn_bias:
+            shapes[p + "attention.qkv.bias"] = (qkv_out,)
+        if config.qk_layernorm:
+            shapes[p + "attention.q_layernorm.weight"] = (D,)
+            shapes[p + "attention.k_layernorm.weight"] = (D,)
+    if pp_rank == m.pp_size - 1:
+        shapes["transformer.ln_f.weight"] = (hidden,)
+        shapes["lm_head.weight"] = (config.vocab_size_padded // m.tp_size, hidden)
+    return shapes

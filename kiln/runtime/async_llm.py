@@ -1,0 +1,86 @@
+"""`AsyncLLM`: asyncio streaming over one engine core stepping in a background thread."""
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator
+
+from kiln.runtime.llm_engine import LLMEngine
+from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+    def __init__(self, engine_dir, **engine_args):
+        self.llm_engine = LLMEngine(engine_dir, **engine_args)
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields a RequestOutput (cumulative text and tokens) each step the request advances.
+        Closing the iterator early (or cancelling its task) aborts the request."""
+        request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("AsyncLLM is shut down")
+            self.llm_engine.add_request(prompt, sampling_params, request_id)
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self._work.notify()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+            self.llm_engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._work.notify()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopped and not self.llm_engine.has_unfinished_requests():
+                    self._work.wait()
+                if self._stopped:
+                    return
+                try:
+                    outputs = self.llm_engine.step()
+                except Exception as e:  # fail every request in flight, keep the loop alive
+                    outputs = []
+                    for rid in list(self._streams):
+                        self.llm_engine.abort(rid)
+                        self._deliver(rid, e)
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, queue = stream
+        if getattr(item, "finished", True):
+            del self._streams[request_id]
+        loop.call_soon_threadsafe(queue.put_nowait, item)

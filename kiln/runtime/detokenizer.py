@@ -1,0 +1,36 @@
+"""Incremental detokenization: text deltas per new token, without re-decoding the whole output.
+
+Decodes a short window of tokens (the previous read position onwards) and emits only the text that
+window adds, holding back text that ends in an incomplete UTF-8 sequence (U+FFFD) until the
+bytes are complete. The window starts a few prompt tokens back so that a leading space or a
+multi-token character at the prompt's end decodes as it would in the whole text.
+"""
+
+PROMPT_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens = tokenizer.convert_ids_to_tokens(prompt_token_ids[-PROMPT_CONTEXT:],
+                                                      skip_special_tokens=skip_special_tokens)
+        self.prefix_offset = max(len(self.tokens) - PROMPT_CONTEXT, 0)
+        self.read_offset = len(self.tokens)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the text it completes (possibly empty)."""
+        self.tokens.extend(self.tokenizer.convert_ids_to_tokens(
+            [token_id], skip_special_tokens=self.skip_special_tokens))
+        prefix = self._string(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._string(self.tokens[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.text += delta
+        return delta
+
+    def _string(self, tokens: list[str]) -> str:
+        return self.tokenizer.convert_tokens_to_string(tokens) if tokens else ""

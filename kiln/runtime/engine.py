@@ -1,0 +1,59 @@
+"""Loads an engine dir and runs engine steps against one KV cache pool."""
+from pathlib import Path
+
+import psutil
+import torch
+
+from kiln.build import backends
+from kiln.build.export import kv_cache_dtype
+from kiln.config import ConfigError, EngineConfig
+from kiln.models.llama import STEP_INPUTS
+
+
+class Engine:
+    def __init__(self, engine_dir, kv_cache_free_mem_fraction: float | None = None,
+                 max_tokens_in_paged_kv_cache: int | None = None):
+        self.engine_dir = Path(engine_dir)
+        self.config = EngineConfig.load(self.engine_dir)
+        pretrained, build = self.config.pretrained_config, self.config.build_config
+        if pretrained.mapping.world_size != 1:
+            raise ConfigError(f"{engine_dir}: multi-rank engines are not supported yet")
+        path = self.engine_dir / "rank0.engine"
+        if not path.is_file():
+            raise ConfigError(f"{path} not found")
+        self.model = backends.load(build.backend, path)
+        self.num_blocks = self._num_blocks(kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
+        self.kv_cache = torch.zeros(
+            len(pretrained.layers_of(0)), 2, self.num_blocks, build.tokens_per_block,
+            pretrained.kv_heads_per_rank, pretrained.head_size, dtype=kv_cache_dtype(pretrained, build))
+
+    @property
+    def bytes_per_block(self) -> int:
+        p, b = self.config.pretrained_config, self.config.build_config
+        dtype = kv_cache_dtype(p, b)
+        return (len(p.layers_of(0)) * 2 * b.tokens_per_block * p.kv_heads_per_rank * p.head_size
+                * dtype.itemsize)
+
+    def _num_blocks(self, fraction, max_tokens) -> int:
+        b = self.config.build_config
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ConfigError(f"kv_cache_free_mem_fraction must be in (0, 1], got {fraction}")
+        if max_tokens is not None:
+            if max_tokens < b.tokens_per_block:
+                raise ConfigError(f"max_tokens_in_paged_kv_cache must be >= tokens_per_block "
+                                  f"({b.tokens_per_block}), got {max_tokens}")
+            return max(2, max_tokens // b.tokens_per_block)
+        # Enough for every slot of the batch at full length, unless memory says less.
+        enough = b.max_batch_size * b.max_blocks_per_seq + 1
+        budget = int(psutil.virtual_memory().available * (fraction or 0.5)) // self.bytes_per_block
+        if fraction is not None:
+            return max(2, budget)
+        return max(2, min(enough, budget))
+
+    def __call__(self, inputs: dict) -> torch.Tensor:
+        return self.model(**{name: inputs[name] for name in STEP_INPUTS[:-1]}, kv_cache=self.kv_cache)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src, dst = zip(*pairs)
+            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]

@@ -1,0 +1,59 @@
+"""Gives sequences the KV blocks their tokens need; knows nothing of scheduling policy."""
+from kiln.runtime.block_pool import BlockPool
+from kiln.runtime.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, tokens_per_block: int):
+        self.pool = BlockPool(num_blocks)
+        self.tokens_per_block = tokens_per_block
+        self.reserved = 0  # promised to admitted sequences (guaranteed_no_evict), not yet allocated
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_block)
+
+    @property
+    def num_available(self) -> int:
+        return self.pool.num_free - self.reserved
+
+    def reserve(self, seq: Sequence, num_blocks: int) -> bool:
+        if num_blocks > self.num_available:
+            return False
+        seq.reserved_blocks += num_blocks
+        self.reserved += num_blocks
+        return True
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, headroom: int = 0) -> bool:
+        """Make room for K/V of `num_new_tokens` more tokens, leaving `headroom` blocks free beside;
+        False (nothing taken) if the pool is short."""
+        need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        from_reserve = min(max(need, 0), seq.reserved_blocks)
+        if max(need, 0) - from_reserve + headroom > self.num_available:
+            return False
+        if need <= 0:
+            return True
+        seq.reserved_blocks -= from_reserve
+        self.reserved -= from_reserve
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        self.reserved -= seq.reserved_blocks
+        seq.reserved_blocks = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Share the parent's blocks with a child. A partly filled last block is copied instead,
+        since both will append to it: returns (src, dst) of that copy for the runner to do."""
+        full = parent.num_computed_tokens // self.tokens_per_block
+        child.block_table = list(parent.block_table[:full])
+        self.pool.share(child.block_table)
+        if full == len(parent.block_table):
+            return None
+        if child.reserved_blocks:
+            child.reserved_blocks -= 1
+            self.reserved -= 1
+        dst = self.pool.allocate(1)[0]
+        child.block_table.append(dst)
+        return parent.block_table[full], dst

@@ -1,0 +1,294 @@
+"""Batched token sampler over float32 logits (vLLM semantics).
+
+Order of operations for each row, as vLLM:
+
+1. ``min_tokens``: while ``len(output) < min_tokens`` the stop token ids (and the EOS ids, unless
+   ``ignore_eos``) are set to ``-inf``;
+2. repetition penalty over prompt + output tokens (HF: ``logit > 0 -> logit / p`` else ``* p``);
+3. frequency and presence penalties over output tokens (OpenAI:
+   ``logit -= count * frequency + (count > 0) * presence``);
+4. greedy rows (temperature ~0 or top_k == 1) take the argmax of the penalized logits;
+5. the others: divide by temperature, top-k (ties with the k-th value are kept), top-p (smallest
+   set of top tokens whose probability reaches p), min-p (drop tokens with
+   ``prob < min_p * max_prob``), then sample by an exponential race
+   (``argmax(probs / q)`` with ``q ~ Exp(1)``), which draws a row's noise from its own
+   ``torch.Generator`` when it has one, so seeded rows are reproducible whatever else is in the batch.
+
+Logprobs (``params.logprobs``) come from ``log_softmax`` of the RAW logits (vLLM v1), before
+penalties and temperature.
+
+The work is vectorized over the batch; host work per step is O(rows + penalized tokens). Stages
+no row needs are skipped (an all-greedy batch without penalties is a single argmax).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kiln.runtime.sampling_params import SamplingParams
+
+__all__ = ["SampleRow", "SampleOutput", "Sampler", "compute_prompt_logprobs", "make_generator"]
+
+
+@dataclass
+class SampleRow:
+    """One row of logits to sample from."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far by this sequence
+    generator: torch.Generator | None = None  # per-request seeded generator; None = global RNG
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]  # one per row
+    # Per row when params.logprobs is not None: {sampled token: logprob, then the top-n tokens}.
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # Per row when params.logprobs is not None: 1-based rank of the sampled token in the raw
+    # distribution (1 + number of tokens with a strictly larger logprob).
+    ranks: list[int | None] = field(default_factory=list)
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for a seeded request; it must live on the logits' device."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def _logprob_dicts(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
+                   want_ranks: bool) -> tuple[list[dict[int, float]], list[int] | None]:
+    """lp [R, V] log-probs, chosen [R] token ids -> per row {chosen: lp, top-n...} (+ ranks)."""
+    chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    max_n = max(top_ns) if top_ns else 0
+    if max_n > 0:
+        top_v, top_i = lp.topk(min(max_n, lp.shape[1]), dim=1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    ranks = None
+    if want_ranks:
+        ranks = ((lp > chosen_lp.unsqueeze(1)).sum(dim=1) + 1).tolist()
+    chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
+    out = []
+    for r, n in enumerate(top_ns):
+        d = {chosen_l[r]: chosen_lp_l[r]}
+        for j in range(n):
+            d.setdefault(top_i[r][j], top_v[r][j])
+        out.append(d)
+    return out, ranks
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int] | torch.Tensor,
+                            top_n: int) -> list[dict[int, float]]:
+    """Prompt logprobs: for each position p, {next_token_ids[p]: logprob, then the top-n tokens},
+    from ``log_softmax(logits[p])`` (raw logits, float32)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [P, vocab], got shape {tuple(logits.shape)}")
+    nxt = torch.as_tensor(next_token_ids, dtype=torch.long, device=logits.device).reshape(-1)
+    if nxt.shape[0] != logits.shape[0]:
+        raise ValueError(f"next_token_ids must have {logits.shape[0]} entries (one per logits "
+                         f"row), got {nxt.shape[0]}")
+    if top_n < 0:
+        raise ValueError(f"top_n must be >= 0, got {top_n}")
+    if logits.shape[0] == 0:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out, _ = _logprob_dicts(lp, nxt, [top_n] * logits.shape[0], want_ranks=False)
+    return out
+
+
+class Sampler:
+    """``Sampler()(logits [N, V], rows) -> SampleOutput``. Does not modify ``logits``."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
+                             f"got shape {tuple(logits.shape)}")
+        N, V = logits.shape
+        if N == 0:
+            return SampleOutput([], [], [])
+        device = logits.device
+        raw = logits if logits.dtype == torch.float32 else logits.float()
+        params = [r.params for r in rows]
+        x = self._process(raw, rows)  # `raw` itself when nothing changes it
+
+        # ---- 4. greedy rows ---------------------------------------------------------------
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            sampled = x.argmax(dim=-1)
+        else:
+            sampled = torch.empty(N, dtype=torch.long, device=device)
+            g_idx = [i for i in range(N) if greedy[i]]
+            s_idx = [i for i in range(N) if not greedy[i]]
+            if g_idx:
+                gi = torch.tensor(g_idx, device=device)
+                sampled[gi] = x[gi].argmax(dim=-1)
+            if len(s_idx) == N:
+                sampled = self._sample(x.clone() if x is raw else x, rows, s_idx)
+            else:
+                si = torch.tensor(s_idx, device=device)
+                sampled[si] = self._sample(x[si], rows, s_idx)
+
+        # ---- logprobs from the raw logits -------------------------------------------------
+        token_ids = sampled.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * N
+        ranks: list[int | None] = [None] * N
+        lp_idx = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if lp_idx:
+            if len(lp_idx) == N:
+                sub, ch = raw, sampled
+            else:
+                li = torch.tensor(lp_idx, device=device)
+                sub, ch = raw[li], sampled[li]
+            lp = torch.log_softmax(sub, dim=-1)
+            dicts, rk = _logprob_dicts(lp, ch, [params[i].logprobs for i in lp_idx], True)
+            for j, i in enumerate(lp_idx):
+                logprobs[i] = dicts[j]
+                ranks[i] = rk[j]
+        return SampleOutput(token_ids, logprobs, ranks)
+
+    def process_logits(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """The logits after min_tokens masking and the penalties (steps 1-3), as a new float32
+        tensor: what greedy rows take the argmax of, before temperature/top-k/top-p/min-p."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
+                             f"got shape {tuple(logits.shape)}")
+        raw = logits.float()
+        x = self._process(raw, rows)
+        return x.clone() if x is logits else x
+
+    def _process(self, raw: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """Steps 1-3; returns ``raw`` itself when no row needs them, else a modified copy."""
+        device, V = raw.device, raw.shape[1]
+        x = raw
+        # ---- 1. min_tokens: mask stop ids (and EOS unless ignore_eos) ----------------------
+        mr, mt = [], []
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+                ids = list(p.stop_token_ids)
+                if not p.ignore_eos:
+                    ids.extend(r.eos_token_ids)
+                ids = [t for t in set(ids) if 0 <= t < V]
+                mr.extend([i] * len(ids))
+                mt.extend(ids)
+        if mr:
+            x = raw.clone()
+            x[torch.tensor(mr, device=device), torch.tensor(mt, device=device)] = float("-inf")
+
+        # ---- 2./3. penalties --------------------------------------------------------------
+        pen = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+        if pen:
+            x = self._apply_penalties(raw.clone() if x is raw else x, rows, pen)
+        return x
+
+    # ------------------------------------------------------------------------------------
+    @staticmethod
+    def _apply_penalties(x: torch.Tensor, rows: Sequence[SampleRow],
+                         pen: list[int]) -> torch.Tensor:
+        """In place on x (already a private copy) for rows ``pen``."""
+        device, V = x.device, x.shape[1]
+        M = len(pen)
+        params = [rows[i].params for i in pen]
+        sub = x if M == x.shape[0] else x[torch.tensor(pen, device=device)]
+
+        # output token counts [M, V] by scatter_add on a zero tensor
+        out_rows, out_toks = [], []
+        for j, i in enumerate(pen):
+            toks = rows[i].output_token_ids
+            out_rows.extend([j] * len(toks))
+            out_toks.extend(toks)
+        counts = torch.zeros((M, V), dtype=torch.float32, device=device)
+        if out_toks:
+            counts.index_put_((torch.tensor(out_rows, device=device),
+                               torch.tensor(out_toks, device=device)),
+                              torch.ones(len(out_toks), device=device), accumulate=True)
+
+        rep = [p.repetition_penalty for p in params]
+        if any(r != 1.0 for r in rep):
+            seen = counts > 0
+            pr, pt = [], []
+            for j, i in enumerate(pen):
+                if params[j].repetition_penalty != 1.0:
+                    toks = rows[i].prompt_token_ids
+                    pr.extend([j] * len(toks))
+                    pt.extend(toks)
+            if pt:
+                seen[torch.tensor(pr, device=device), torch.tensor(pt, device=device)] = True
+            rp = torch.tensor(rep, dtype=torch.float32, device=device).unsqueeze(1)
+            penalized = torch.where(sub > 0, sub / rp, sub * rp)
+            sub = torch.where(seen, penalized, sub)
+
+        freq = [p.frequency_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        if out_toks and (any(freq) or any(pres)):
+            if any(freq):
+                sub = sub - torch.tensor(freq, device=device).unsqueeze(1) * counts
+            if any(pres):
+                sub = sub - torch.tensor(pres, device=device).unsqueeze(1) * (counts > 0).float()
+
+        if M == x.shape[0]:
+            return sub
+        x[torch.tensor(pen, device=device)] = sub
+        return x
+
+    @staticmethod
+    def _sample(s: torch.Tensor, rows: Sequence[SampleRow], s_idx: list[int]) -> torch.Tensor:
+        """Sample one token per row of ``s`` (a private [K, V] copy, modified in place)."""
+        device, (K, V) = s.device, s.shape
+        params = [rows[i].params for i in s_idx]
+        ninf = float("-inf")
+
+        temps = [p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            s.div_(torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1))
+
+        ks = [p.top_k if 0 < p.top_k < V else V for p in params]
+        need_k = any(k < V for k in ks)
+        ps = [p.top_p for p in params]
+        need_p = any(p < 1.0 for p in ps)
+        if need_p:
+            srt, order = s.sort(dim=-1)  # ascending
+            if need_k:
+                kt = torch.tensor(ks, device=device).unsqueeze(1)
+                thr = srt.gather(1, V - kt)  # k-th largest value
+                srt.masked_fill_(srt < thr, ninf)
+                s.masked_fill_(s < thr, ninf)
+            cum = srt.softmax(dim=-1).cumsum_(dim=-1)
+            drop = cum <= 1.0 - torch.tensor(ps, device=device).unsqueeze(1)
+            drop[:, -1] = False  # always keep the most likely token
+            s.masked_fill_(torch.zeros_like(drop).scatter_(1, order, drop), ninf)
+        elif need_k:
+            top = s.topk(max(ks), dim=-1).values
+            thr = top.gather(1, torch.tensor(ks, device=device).unsqueeze(1) - 1)
+            s.masked_fill_(s < thr, ninf)
+
+        mps = [p.min_p for p in params]
+        if any(mps):
+            # prob_i < min_p * max_prob  <=>  logit_i - max_logit < log(min_p)
+            mx = s.max(dim=-1, keepdim=True).values
+            logmp = torch.tensor(mps, dtype=torch.float32, device=device).log().unsqueeze(1)
+            s.masked_fill_(s - mx < logmp, ninf)
+
+        probs = s.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        gens = [rows[i].generator for i in s_idx]
+        if all(g is None for g in gens):
+            q.exponential_()
+        else:
+            unseeded = [j for j, g in enumerate(gens) if g is None]
+            if unseeded:
+                q[torch.tensor(unseeded, device=device)] = torch.empty(
+                    (len(unseeded), V), dtype=q.dtype, device=device).exponential_()
+            for j, g in enumerate(gens):
+                if g is not None:
+                    if g.device.type != q.device.type:
+                        raise ValueError(f"generator of row {s_idx[j]} is on {g.device}, "
+                                         f"expected the logits' device {q.device}")
+                    q[j].exponential_(generator=g)
+        q.clamp_min_(torch.finfo(q.dtype).tiny)  # never divide by 0
+        return probs.div_(q).argmax(dim=-1)

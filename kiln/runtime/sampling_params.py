@@ -1,0 +1,127 @@
+"""Per-request sampling parameters (vLLM's names, defaults and semantics)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Temperatures below this are treated as greedy (as vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request.
+
+    ``top_k`` of 0 or -1 disables top-k; ``max_tokens=None`` generates until ``max_seq_len``;
+    ``stop`` and ``stop_token_ids`` are normalized to lists. ``logprobs``/``prompt_logprobs`` ask
+    for that many top tokens (plus the sampled / actual token), computed from the raw logits.
+    Invalid values raise ``ValueError`` naming the field, the value and what was expected.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # --- normalization -------------------------------------------------------------
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a str, a list of str or None, got {self.stop!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids must be a list of int or None, got {self.stop_token_ids!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            setattr(self, name, float(v))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(field: str, expected: str) -> ValueError:
+            return ValueError(f"{field} must be {expected}, got {getattr(self, field)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", ">= 1")
+        if self.temperature < 0:
+            raise bad("temperature", ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or self.top_k >= 1):
+            raise bad("top_k", "-1 or 0 (disabled) or an int >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "an int or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an int >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must contain only ints >= 0, got {t!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "a bool")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise bad(name, "an int >= 0 or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "> 0")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a bool")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the sampler takes the argmax (temperature ~0 or top_k == 1)."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

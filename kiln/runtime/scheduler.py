@@ -1,0 +1,131 @@
+"""In-flight batching: which sequences run this step, and how many of their tokens.
+
+Every step has a token budget (`max_num_tokens`) shared by decodes and prefill chunks. Running
+sequences go first, in arrival order; waiting ones are admitted while budget, batch slots and KV
+blocks last. A prompt longer than the remaining budget is prefilled in chunks over several steps.
+
+Policies (TensorRT-LLM's names):
+- `max_utilization`: admit whenever the next chunk fits; when a running sequence cannot get a block,
+  preempt the most recently admitted sequence (free its blocks, recompute it later).
+- `guaranteed_no_evict`: admit only when blocks for the whole sequence (prompt + max_tokens, for
+  each of its n samples) can be reserved; never preempts.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.sequence import Request, Sequence, Status
+
+POLICIES = ("max_utilization", "guaranteed_no_evict")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_batch_size: int, max_num_tokens: int,
+                 max_seq_len: int, policy: str = "max_utilization", enable_chunked_prefill: bool = True):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduler policy {policy!r} is not supported; expected one of {', '.join(POLICIES)}")
+        self.kv = kv
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.max_seq_len = max_seq_len
+        self.policy = policy
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.extend(request.sequences)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_tokens
+        scheduled_ids = set()
+        i = 0
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_batch_size:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n, self._fork_headroom(seq, n)):
+                victim = self.running[-1]
+                if id(victim) in scheduled_ids or self.policy == "guaranteed_no_evict":
+                    raise RuntimeError(f"KV cache too small to run sequence {seq.request.request_id} "
+                                       f"({self.kv.pool.num_blocks} blocks)")
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                scheduled_ids.add(id(seq))
+                budget -= n
+                i += 1
+                continue
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            width = 1 if seq.request.forked else seq.request.params.n
+            if len(self.running) + width > self.max_batch_size:
+                break
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget and not self.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if self.policy == "guaranteed_no_evict" and not seq.request.forked and seq.reserved_blocks == 0:
+                req = seq.request
+                total = self.kv.blocks_for(min(req.num_prompt_tokens + req.max_tokens, self.max_seq_len))
+                if not self.kv.reserve(seq, total * req.params.n):
+                    break
+            if not self.kv.allocate_slots(seq, n, self._fork_headroom(seq, n)):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out
+
+    def _fork_headroom(self, seq: Sequence, n: int) -> int:
+        """Blocks the n-1 sibling samples will copy their partly filled last block into at fork."""
+        req = seq.request
+        if req.forked or req.params.n == 1 or seq.num_computed_tokens + n < seq.num_tokens:
+            return 0
+        if seq.reserved_blocks:
+            return 0  # the reservation covers the siblings
+        return req.params.n - 1
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute later: drop its KV and put it first in line, prompt and output kept."""
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = Status.FINISHED
+
+    def add_forked(self, seqs: list[Sequence]) -> None:
+        """Siblings forked from a running sequence join it in the running set."""
+        for seq in seqs:
+            seq.status = Status.RUNNING
+            self.running.append(seq)

@@ -1,0 +1,66 @@
+"""Session-wide tiny models and engines, built once and shared by every test that asks."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_model  # noqa: E402
+
+TEST_BUILD = dict(max_batch_size=8, max_input_len=128, max_seq_len=192, max_num_tokens=256,
+                  tokens_per_block=8)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory):
+    """hf_model(name) -> HF model dir of the tiny variant `name` (tests/tiny_models.py)."""
+    cache = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = make_model(name, tmp_path_factory.mktemp(f"hf_{name}"))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def checkpoint(hf_model, tmp_path_factory):
+    from kiln.convert.cli import convert_checkpoint
+
+    cache = {}
+
+    def get(name: str, dtype: str = "float32") -> Path:
+        key = (name, dtype)
+        if key not in cache:
+            cache[key] = convert_checkpoint(hf_model(name), tmp_path_factory.mktemp(f"ckpt_{name}") / "c",
+                                            dtype=dtype)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def engine(checkpoint, tmp_path_factory):
+    """engine(name, backend="eager", dtype="float32", **build_overrides) -> engine dir, built once per key."""
+    from kiln.build.builder import build_engine
+    from kiln.config import BuildConfig
+
+    cache = {}
+
+    def get(name: str, backend: str = "eager", dtype: str = "float32", **overrides) -> Path:
+        key = (name, backend, dtype, tuple(sorted(overrides.items())))
+        if key not in cache:
+            build = BuildConfig(**{**TEST_BUILD, **overrides, "backend": backend})
+            out = tmp_path_factory.mktemp(f"engine_{name}_{backend}") / "e"
+            cache[key] = build_engine(checkpoint(name, dtype), out, build, log=lambda *_: None)
+        return cache[key]
+
+    return get

@@ -1,0 +1,87 @@
+"""HF transformers is the oracle: same weights, float32, greedy tokens and logits must agree."""
+import pytest
+import torch
+import transformers
+
+from kiln import LLM, SamplingParams
+from kiln.runtime.engine import Engine
+from kiln.runtime.model_runner import plan_step
+from kiln.runtime.scheduler import SchedulerOutput
+from kiln.runtime.sequence import Request, Sequence
+from tiny_models import PROMPTS
+
+NEW_TOKENS = 24
+# Every family compiled with AOTInductor once; the rope-scaling variants on the eager backend.
+CASES = [("llama", "aoti"), ("mistral", "aoti"), ("qwen2", "aoti"), ("qwen3", "aoti"),
+         ("llama", "eager"), ("llama_linear", "eager"), ("llama_dynamic", "eager"), ("qwen3", "eager")]
+
+
+def hf_greedy(model, prompt_ids: list[int]) -> list[int]:
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is not None and hasattr(rotary, "original_inv_freq"):
+        # Dynamic NTK keeps state across calls; each prompt starts from a fresh model.
+        rotary.inv_freq, rotary.max_seq_len_cached = rotary.original_inv_freq, rotary.original_max_seq_len
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                         min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def engine_logits(engine: Engine, token_lists: list[list[int]]) -> list[torch.Tensor]:
+    """Logits at every position of each sequence, the sequences prefilled together in one step."""
+    bs = engine.config.build_config.tokens_per_block
+    out, next_block = SchedulerOutput(), 0
+    for tokens in token_lists:
+        req = Request("r", None, tokens, SamplingParams(prompt_logprobs=0), len(tokens))
+        req.prompt_logprobs = [None]
+        seq = Sequence(req, 0, list(tokens))
+        nblocks = -(-len(tokens) // bs)
+        seq.block_table = list(range(next_block, next_block + nblocks))
+        next_block += nblocks
+        out.scheduled.append((seq, len(tokens)))
+    plan = plan_step(out, bs)
+    logits = engine(plan.inputs)
+    result = []
+    for (seq, _), (_, _, rows), (_, last) in zip(out.scheduled, plan.prompt_rows, plan.sample):
+        result.append(logits[rows + [last]])
+    return result
+
+
+@pytest.fixture(scope="module")
+def hf_models(hf_model):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = transformers.AutoModelForCausalLM.from_pretrained(
+                hf_model(name), torch_dtype=torch.float32).eval()
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name,backend", CASES)
+def test_greedy_matches_hf(name, backend, engine, hf_models, capsys):
+    engine_dir = engine(name, backend)
+    llm = LLM(engine_dir)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    lengths = sorted({len(o.prompt_token_ids) for o in outs})
+    assert len(lengths) >= 4, f"prompts should differ in length, got {lengths}"
+    model = hf_models(name)
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(model, out.prompt_token_ids), out.prompt
+
+    # Logits of the full (prompt + generated) sequences against HF's forward pass.
+    sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    if name == "llama_dynamic":
+        sequences = [s[:model.config.max_position_embeddings] for s in sequences]  # HF rescales per call
+    runner = Engine(engine_dir, max_tokens_in_paged_kv_cache=4096)
+    ours = engine_logits(runner, sequences[:2]) + [engine_logits(runner, [s])[0] for s in sequences[2:]]
+    worst = 0.0
+    for seq, got in zip(sequences, ours):
+        with torch.no_grad():
+            ref = model(torch.tensor([seq])).logits[0]
+        worst = max(worst, (got - ref).abs().max().item())
+    with capsys.disabled():
+        print(f"\n[{name}/{backend}] max |logit - HF logit| = {worst:.2e}")
+    assert worst < 1e-3

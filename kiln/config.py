@@ -157,6 +157,8 @@ class PretrainedConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "PretrainedConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"checkpoint config must be a JSON object, got {type(d).__name__}")
         d = dict(d)
         known = {f.name for f in dataclasses.fields(cls)}
         missing = [f.name for f in dataclasses.fields(cls)
@@ -164,14 +166,21 @@ class PretrainedConfig:
                    and f.name not in d]
         if missing:
             raise ConfigError(f"checkpoint config is missing field(s): {', '.join(missing)}")
-        d["mapping"] = Mapping(**d.get("mapping", {}))
+        # TensorRT-LLM/ModelOpt write more mapping keys (cp_size, moe_*); ours are derived from these.
+        mapping = d.get("mapping") or {}
+        d["mapping"] = Mapping(**{k: mapping[k] for k in ("world_size", "tp_size", "pp_size") if k in mapping})
         d["quantization"] = QuantConfig(**{k: v for k, v in (d.get("quantization") or {}).items()
                                            if k in {f.name for f in dataclasses.fields(QuantConfig)}})
         return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
     def load(cls, checkpoint_dir: str | Path) -> "PretrainedConfig":
-        return cls.from_dict(read_json(Path(checkpoint_dir) / "config.json"))
+        path = Path(checkpoint_dir) / "config.json"
+        d = read_json(path)
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:  # name the file: "architecture 'X' is not supported" alone does not
+            raise ConfigError(f"{path}: {e}") from None
 
 
 BACKENDS = ("aoti", "eager")
@@ -235,7 +244,7 @@ class EngineConfig:
     def load(cls, engine_dir: str | Path) -> "EngineConfig":
         path = Path(engine_dir) / "config.json"
         d = read_json(path)
-        if "pretrained_config" not in d or "build_config" not in d:
+        if not isinstance(d, dict) or "pretrained_config" not in d or "build_config" not in d:
             raise ConfigError(f"{path} is not an engine config (expected 'pretrained_config' and 'build_config')")
         built_with = d["build_config"].get("kiln_version") or d.get("version")
         if not compatible_version(built_with):
@@ -243,8 +252,11 @@ class EngineConfig:
                 f"engine dir {engine_dir} was built by kiln {built_with}, which this kiln "
                 f"({__version__}) cannot load; rebuild it with `engine-build`"
             )
-        return cls(PretrainedConfig.from_dict(d["pretrained_config"]),
-                   BuildConfig.from_dict(d["build_config"]))
+        try:
+            return cls(PretrainedConfig.from_dict(d["pretrained_config"]),
+                       BuildConfig.from_dict(d["build_config"]))
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
 
 def compatible_version(built_with: str | None) -> bool:

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from kiln.build import backends
 from kiln.build.export import export
-from kiln.config import BuildConfig, ConfigError, EngineConfig, PretrainedConfig, torch_dtype, write_json
+from kiln.config import BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json, torch_dtype, write_json
 from kiln.models.llama import LlamaForCausalLM, checkpoint_shapes
 from kiln.utils import peak_rss_mb, replace_dir, progress
 
@@ -41,9 +41,29 @@ def load_rank_weights(checkpoint_dir: Path, config: PretrainedConfig, rank: int)
     return weights
 
 
+def check_output_dir(checkpoint_dir: Path, output_dir: Path) -> None:
+    """A successful build replaces output_dir wholesale: refuse dirs that are not engine dirs."""
+    out = output_dir.resolve()
+    if out == checkpoint_dir.resolve() or out in checkpoint_dir.resolve().parents:
+        raise ConfigError(f"output dir {output_dir} would replace the checkpoint dir {checkpoint_dir}; "
+                          f"choose another output dir")
+    if output_dir.exists():
+        if not output_dir.is_dir():
+            raise ConfigError(f"output dir {output_dir} exists and is not a directory")
+        if any(output_dir.iterdir()):
+            try:
+                is_engine = "build_config" in read_json(output_dir / "config.json")
+            except (ConfigError, TypeError):
+                is_engine = False
+            if not is_engine:
+                raise ConfigError(f"output dir {output_dir} exists and is not an engine dir (no config.json "
+                                  f"with build_config); remove it or choose another output dir")
+
+
 def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print) -> Path:
     start = time.time()
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    check_output_dir(checkpoint_dir, output_dir)
     pretrained = PretrainedConfig.load(checkpoint_dir)
     if pretrained.mapping.world_size != 1:
         raise ConfigError(f"checkpoint {checkpoint_dir} has world_size {pretrained.mapping.world_size}; "

@@ -19,7 +19,7 @@ BUILD_OPTIONS = [
     click.option("--max_autotune/--no_max_autotune", default=False, show_default=True,
                  help="aoti: benchmark GEMM kernels while compiling (slower build, faster bf16 engine)."),
     click.option("--workers", type=int, default=1, show_default=True,
-                 help="Ranks compiled in parallel (each compile also uses all threads)."),
+                 help="Ranks compiled in parallel; this release builds single-rank engines, so one is used."),
 ]
 
 

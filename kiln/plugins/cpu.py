@@ -30,6 +30,9 @@ def silu_and_mul(x):
 
 def kv_cache_write(kv_cache, layer, k, v, slot_mapping):
     block_size = kv_cache.shape[3]
+    if (slot_mapping < 0).any():  # padding slots write nothing (the reference skips them)
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     kv_cache[layer, 0, blocks, offsets] = k.to(kv_cache.dtype)
     kv_cache[layer, 1, blocks, offsets] = v.to(kv_cache.dtype)

@@ -20,8 +20,15 @@ class Engine:
             raise ConfigError(f"{engine_dir}: multi-rank engines are not supported yet")
         path = self.engine_dir / "rank0.engine"
         if not path.is_file():
-            raise ConfigError(f"{path} not found")
-        self.model = backends.load(build.backend, path)
+            raise ConfigError(f"{path} not found: the engine dir is incomplete; rebuild it with `engine-build`")
+        try:
+            self.model = backends.load(build.backend, path)
+        except ImportError:  # a broken install, not a broken engine file
+            raise
+        except Exception as e:  # a truncated/corrupt file surfaces as zipfile/torch errors
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise ConfigError(f"{path} is not a loadable {build.backend} engine ({type(e).__name__}: "
+                              f"{reason}); rebuild it with `engine-build`") from None
         self.num_blocks = self._num_blocks(kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
         self.kv_cache = torch.zeros(
             len(pretrained.layers_of(0)), 2, self.num_blocks, build.tokens_per_block,

@@ -1,5 +1,6 @@
 """`AsyncLLM`: asyncio streaming over one engine core stepping in a background thread."""
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections.abc import AsyncIterator
@@ -14,6 +15,10 @@ class AsyncLLM:
         self.llm_engine = LLMEngine(engine_dir, **engine_args)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
+        # Callers waiting for the lock; the engine thread lets them in between two steps
+        # (threading.Lock is not fair: the stepping thread would take it back at once).
+        self._callers = 0
+        self._callers_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
@@ -30,7 +35,7 @@ class AsyncLLM:
         Closing the iterator early (or cancelling its task) aborts the request."""
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
+        with self._locked():
             if self._stopped:
                 raise RuntimeError("AsyncLLM is shut down")
             self.llm_engine.add_request(prompt, sampling_params, request_id)
@@ -49,20 +54,37 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
+        with self._locked():
+            out = self.llm_engine.abort(request_id)
+            if out is not None:
+                try:
+                    self._deliver(request_id, out)  # the stream ends with finish_reason "abort"
+                except RuntimeError:  # its event loop is closed; nobody is listening
+                    pass
             self._streams.pop(request_id, None)
-            self.llm_engine.abort(request_id)
 
     def shutdown(self) -> None:
-        with self._lock:
+        with self._locked():
             self._stopped = True
             self._work.notify()
         self._thread.join()
 
+    @contextlib.contextmanager
+    def _locked(self):
+        with self._callers_lock:
+            self._callers += 1
+        with self._lock:
+            with self._callers_lock:
+                self._callers -= 1
+            try:
+                yield
+            finally:
+                self._work.notify()
+
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopped and not self.llm_engine.has_unfinished_requests():
+                while not self._stopped and (self._callers or not self.llm_engine.has_unfinished_requests()):
                     self._work.wait()
                 if self._stopped:
                     return

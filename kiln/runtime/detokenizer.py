@@ -23,9 +23,16 @@ class IncrementalDetokenizer:
         """Append one token; returns the text it completes (possibly empty)."""
         self.tokens.extend(self.tokenizer.convert_ids_to_tokens(
             [token_id], skip_special_tokens=self.skip_special_tokens))
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of the sequence: the text held back for more bytes, as decode() writes it."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
         prefix = self._string(self.tokens[self.prefix_offset:self.read_offset])
         full = self._string(self.tokens[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)

@@ -208,12 +208,14 @@ class LLMEngine:
             seq.finish_reason = "stop"
         elif token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif params.stop and delta:
+        elif params.stop and delta and seq.num_output_tokens > params.min_tokens:
             self._check_stop_strings(seq, delta)
         if seq.finish_reason is None and (seq.num_output_tokens >= req.max_tokens
                                           or seq.num_tokens >= self.build_config.max_seq_len):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
+            if not isinstance(seq.stop_reason, str):  # a stop string has already cut the text
+                seq.detokenizer.flush()
             self.scheduler.finish(seq)
 
     def _check_stop_strings(self, seq: Sequence, delta: str) -> None:

@@ -54,11 +54,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_tokens
         scheduled_ids = set()
+        held = 0  # blocks kept free for the forks of sequences scheduled earlier in this step
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_batch_size:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, n, self._fork_headroom(seq, n)):
+            headroom = self._fork_headroom(seq, n)
+            while not self.kv.allocate_slots(seq, n, held + headroom):
                 victim = self.running[-1]
                 if id(victim) in scheduled_ids or self.policy == "guaranteed_no_evict":
                     raise RuntimeError(f"KV cache too small to run sequence {seq.request.request_id} "
@@ -69,6 +71,7 @@ class Scheduler:
             else:
                 out.scheduled.append((seq, n))
                 scheduled_ids.add(id(seq))
+                held += headroom
                 budget -= n
                 i += 1
                 continue
@@ -83,13 +86,16 @@ class Scheduler:
             if n > budget and not self.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if self.policy == "guaranteed_no_evict" and not seq.request.forked and seq.reserved_blocks == 0:
+            # every new sequence reserves (an n=1 request is `forked` from the start)
+            if self.policy == "guaranteed_no_evict" and seq.reserved_blocks == 0:
                 req = seq.request
                 total = self.kv.blocks_for(min(req.num_prompt_tokens + req.max_tokens, self.max_seq_len))
                 if not self.kv.reserve(seq, total * req.params.n):
                     break
-            if not self.kv.allocate_slots(seq, n, self._fork_headroom(seq, n)):
+            headroom = self._fork_headroom(seq, n)
+            if not self.kv.allocate_slots(seq, n, held + headroom):
                 break
+            held += headroom
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)

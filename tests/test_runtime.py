@@ -1,0 +1,539 @@
+"""The runtime end to end on a tiny random Llama (eager engines): chunked prefill, preemption and
+both scheduler policies, KV block accounting, seeded sampling, n > 1 with shared prompt blocks,
+prompt/sample logprobs against HF transformers, stop conditions and detokenization, AsyncLLM
+streaming and aborts, request metrics.
+
+Greedy outputs of one LLM with default settings (`reference`) are the yardstick the other
+configurations must reproduce token for token."""
+import asyncio
+import math
+
+import pytest
+import torch
+
+from kiln import LLM, AsyncLLM, SamplingParams
+from kiln.runtime.llm_engine import LLMEngine
+from tiny_models import PROMPTS
+
+MAX_TOKENS = 16
+# Prompt 3 (90 tokens) also asks for prompt logprobs, so that every configuration compares them too.
+PLP = 3
+
+
+def greedy(max_tokens=MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, **kw)
+
+
+def ref_params() -> list[SamplingParams]:
+    return [greedy(prompt_logprobs=1) if i == PLP else greedy() for i in range(len(PROMPTS))]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    kv, pool = engine.kv, engine.kv.pool
+    assert not engine.has_unfinished_requests()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert pool.num_free == pool.num_blocks
+    assert sorted(pool.free) == list(range(pool.num_blocks))  # each block once
+    assert all(c == 0 for c in pool.ref_counts)
+    assert kv.reserved == 0
+
+
+def assert_text_is_decode(tok, outputs) -> None:
+    for out in outputs:
+        for c in out.outputs:
+            assert c.text == tok.decode(c.token_ids, skip_special_tokens=True), (c.finish_reason, c.token_ids)
+
+
+def first_new_token(ids: list[int], start: int) -> int:
+    """The first index >= start whose token does not occur earlier in ids."""
+    return next(j for j in range(start, len(ids)) if ids[j] not in ids[:j])
+
+
+def close_logprobs(a: dict, b: dict, tol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k] == pytest.approx(b[k], abs=tol), k
+
+
+# --------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def engine_dir(engine):
+    return engine("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(engine_dir):
+    return LLM(engine_dir)
+
+
+@pytest.fixture(scope="module")
+def tok(llm):
+    return llm.get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    outs = llm.generate(PROMPTS, ref_params())
+    assert_all_blocks_free(llm.llm_engine)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def chunked_llm(engine_dir):
+    return LLM(engine_dir, max_num_tokens=16)
+
+
+# 6 blocks of 8 tokens: each of the short prompts with long outputs below fits, not all at once.
+PREEMPT_KV = 48
+# 17 blocks: room for the longest prompt (109 tokens) + MAX_TOKENS, far from all prompts at once.
+NO_EVICT_KV = 136
+
+
+@pytest.fixture(scope="module")
+def preempting_llm(engine_dir):
+    return LLM(engine_dir, scheduler_policy="max_utilization", max_tokens_in_paged_kv_cache=PREEMPT_KV)
+
+
+@pytest.fixture(scope="module")
+def no_evict_llm(engine_dir):
+    return LLM(engine_dir, scheduler_policy="guaranteed_no_evict", max_tokens_in_paged_kv_cache=NO_EVICT_KV)
+
+
+@pytest.fixture(scope="module")
+def hf(hf_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_model("llama"), torch_dtype=torch.float32).eval()
+
+    def log_softmax(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return log_softmax
+
+
+@pytest.fixture(scope="module")
+def async_llm(engine_dir):
+    a = AsyncLLM(engine_dir)
+    yield a
+    a.shutdown()
+
+
+# --------------------------------------------------------------------------------- reference
+def test_reference_outputs(reference, llm, tok):
+    """max_tokens ends every greedy ignore_eos request with "length"; text is the tokenizer's decode
+    (the tiny model emits bytes that are not valid UTF-8, including at the very end)."""
+    for prompt, out in zip(PROMPTS, reference):
+        assert out.finished and out.prompt == prompt
+        assert out.prompt_token_ids == tok.encode(prompt)
+        (c,) = out.outputs
+        assert c.index == 0 and c.finish_reason == "length" and c.stop_reason is None
+        assert len(c.token_ids) == MAX_TOKENS
+    assert_text_is_decode(tok, reference)
+    assert any("\ufffd" in o.outputs[0].text for o in reference)  # the detokenizer's hard case is covered
+    # prompt_token_ids prompts run the same as text prompts
+    again = llm.generate([{"prompt_token_ids": o.prompt_token_ids} for o in reference[:2]], greedy())
+    assert tokens(again) == tokens(reference[:2])
+    assert again[0].prompt is None
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_metrics(reference):
+    for out in reference:
+        m = out.metrics
+        assert m.num_output_tokens == MAX_TOKENS
+        assert m.time_to_first_token is not None and m.time_to_first_token > 0
+        assert m.time_per_output_token is not None and m.time_per_output_token > 0
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+# --------------------------------------------------------------------------------- chunked prefill
+def test_chunked_prefill_same_tokens(chunked_llm, reference, monkeypatch):
+    engine = chunked_llm.llm_engine
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps.append([(seq.request.request_id, seq.num_computed_tokens, n, seq.request.num_prompt_tokens)
+                      for seq, n in out.scheduled])
+        return out
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
+    outs = chunked_llm.generate(PROMPTS, ref_params())
+    assert tokens(outs) == tokens(reference)
+    for a, b in zip(outs, reference):
+        assert a.outputs[0].text == b.outputs[0].text
+    # prompt logprobs, computed chunk by chunk, are the same too
+    for a, b in zip(outs[PLP].prompt_logprobs[1:], reference[PLP].prompt_logprobs[1:], strict=True):
+        close_logprobs(a, b, 1e-5)
+    assert outs[PLP].prompt_logprobs[0] is None
+
+    # the prompts really were chunked: no step over 16 tokens, the 109-token prompt took >= 7 steps,
+    # and prefill chunks shared steps with other sequences' decodes
+    assert all(sum(n for *_, n, _ in s) <= 16 for s in steps)
+    longest = outs[2].request_id
+    chunks = [n for s in steps for rid, done, n, p in s if rid == longest and done < p]
+    assert len(chunks) >= math.ceil(109 / 16) and sum(chunks) == 109
+    assert any(any(done >= p for _, done, _, p in s) and any(done + n < p for _, done, n, p in s) for s in steps)
+    assert_all_blocks_free(engine)
+
+
+# --------------------------------------------------------------------------------- preemption
+def test_preemption_same_tokens(preempting_llm, llm, tok):
+    engine = preempting_llm.llm_engine
+    assert engine.kv.pool.num_blocks == PREEMPT_KV // 8
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]  # 7 + 24, 21 + 24, 1 + 24 tokens: 4 + 6 + 4 blocks
+    params = [greedy(24), greedy(24, prompt_logprobs=1), greedy(24)]
+    before = engine.scheduler.num_preemptions
+    outs = preempting_llm.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > before
+    roomy = llm.generate(prompts, params)
+    assert tokens(outs) == tokens(roomy)
+    assert all(len(t) == 24 for t in tokens(outs))
+    assert_text_is_decode(tok, outs)
+    # prompt logprobs of a request that may have been preempted are neither lost nor scored twice
+    assert outs[1].prompt_logprobs[0] is None
+    for a, b in zip(outs[1].prompt_logprobs[1:], roomy[1].prompt_logprobs[1:], strict=True):
+        close_logprobs(a, b, 1e-5)
+    assert_all_blocks_free(engine)
+
+
+def test_guaranteed_no_evict_same_tokens(no_evict_llm, reference):
+    engine = no_evict_llm.llm_engine
+    which = [0, 1, PLP, 4]  # 3 + 5 + 14 + 3 blocks for whole sequences, 17 in the cache
+    outs = no_evict_llm.generate([PROMPTS[i] for i in which], [ref_params()[i] for i in which])
+    assert tokens(outs) == [reference[i].outputs[0].token_ids for i in which]
+    for a, b in zip(outs[2].prompt_logprobs[1:], reference[PLP].prompt_logprobs[1:], strict=True):
+        close_logprobs(a, b, 1e-5)
+    assert engine.scheduler.num_preemptions == 0
+    # the cache really was too small: the long request waited until the first ones finished
+    assert outs[2].metrics.first_scheduled_time > outs[0].metrics.finished_time
+    assert_all_blocks_free(engine)
+
+
+def test_preemption_with_n_and_seeds(preempting_llm, llm, reference):
+    """n > 1 requests under preemption: siblings forked from shared blocks get preempted and
+    recomputed; seeded samples come out as they do with a roomy cache."""
+    params = [SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=8, ignore_eos=True),
+              greedy(8, n=3), SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=8, ignore_eos=True)]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]
+    engine = preempting_llm.llm_engine
+    before = engine.scheduler.num_preemptions
+    small = preempting_llm.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > before
+    roomy = llm.generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in small] == [[c.token_ids for c in o.outputs] for o in roomy]
+    assert [c.token_ids for c in small[1].outputs] == [reference[1].outputs[0].token_ids[:8]] * 3
+    assert_all_blocks_free(engine)
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_fork_blocks_are_kept_free_within_a_step(preempting_llm):
+    """Regression: an n=2 request finishing its prompt, then a prompt admitted in the same step that
+    would take every block left; the fork's copy of the partly filled last block must still find
+    a free block (was OutOfBlocks in the middle of a step)."""
+    outs = preempting_llm.generate([{"prompt_token_ids": [5] * 5}, {"prompt_token_ids": [6] * 40}],
+                                   [greedy(8, n=2), greedy(8)])  # 1 + 5 blocks of 6
+    assert [len(o.outputs) for o in outs] == [2, 1]
+    assert outs[0].outputs[0].token_ids == outs[0].outputs[1].token_ids
+    assert_all_blocks_free(preempting_llm.llm_engine)
+
+
+# --------------------------------------------------------------------------------- seeds
+def test_seeded_sampling(llm, reference):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], seeded)[0].outputs[0].token_ids
+    again = llm.generate(PROMPTS[1], seeded)[0].outputs[0].token_ids
+    assert alone == again
+    # the same seed in a batch with unseeded and other seeded requests, in another position;
+    # top_k=1 at temperature 1 is greedy
+    batch = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[4], PROMPTS[2]], [
+        SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=10, ignore_eos=True),
+        seeded,
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_TOKENS, ignore_eos=True, seed=5)])
+    assert batch[2].outputs[0].token_ids == alone
+    assert batch[1].outputs[0].token_ids != alone  # another seed, another sample
+    assert batch[3].outputs[0].token_ids == reference[4].outputs[0].token_ids
+    assert batch[4].outputs[0].token_ids == reference[2].outputs[0].token_ids
+    assert_all_blocks_free(llm.llm_engine)
+
+
+# --------------------------------------------------------------------------------- n > 1
+def test_n_greedy_equals_n1(llm, reference, tok):
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], greedy(n=3))  # 7 and 109 prompt tokens
+    for out, ref in zip(outs, [reference[0], reference[2]], strict=True):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert [c.token_ids for c in out.outputs] == [ref.outputs[0].token_ids] * 3
+        assert all(c.finish_reason == "length" for c in out.outputs)
+    assert_text_is_decode(tok, outs)
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_n_samples_share_prompt_blocks(llm, tok):
+    engine = llm.llm_engine
+    pool, tpb = engine.kv.pool, engine.build_config.tokens_per_block
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    req = engine.add_request(PROMPTS[1], params)  # 21 tokens: 2 full blocks + 5 tokens
+    P = req.num_prompt_tokens
+    assert P % tpb
+    engine.step()  # the whole prompt, the fork, the first token of each sample
+    seqs = req.sequences
+    assert [s.index for s in seqs] == [0, 1, 2, 3]
+    full = P // tpb
+    tables = [s.block_table for s in seqs]
+    assert all(t[:full] == tables[0][:full] for t in tables)  # the prompt's full blocks are shared
+    assert all(pool.ref_counts[b] == 4 for b in tables[0][:full])
+    lasts = [t[full] for t in tables]
+    assert len(set(lasts)) == 4  # the partly filled block is copied, one each
+    kv = engine.engine.kv_cache
+    for b in lasts[1:]:
+        assert torch.equal(kv[:, :, b, :P % tpb], kv[:, :, lasts[0], :P % tpb])
+    used = pool.num_blocks - pool.num_free
+    assert used == full + 4 < 4 * engine.kv.blocks_for(P + 1)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    (out,) = outs
+    assert out.finished and [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # sampled, not copies
+    assert_text_is_decode(tok, [out])
+    assert_all_blocks_free(engine)
+    # the same seed gives the same n samples
+    again = llm.generate(PROMPTS[1], params)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+# --------------------------------------------------------------------------------- logprobs
+@pytest.mark.parametrize("which", ["llm", "chunked_llm"])
+def test_prompt_logprobs_match_hf(which, request, hf):
+    llm = request.getfixturevalue(which)
+    prompts = [PROMPTS[2], PROMPTS[1]]
+    outs = llm.generate(prompts, SamplingParams(prompt_logprobs=3, max_tokens=1, temperature=0))
+    for out in outs:
+        ids = out.prompt_token_ids
+        ref = hf(ids)
+        plp = out.prompt_logprobs
+        assert len(plp) == len(ids) and plp[0] is None
+        for p in range(1, len(ids)):
+            entry = plp[p]
+            top = ref[p - 1].topk(3).indices.tolist()
+            assert ids[p] in entry and set(top) <= entry.keys() and len(entry) in (3, 4)
+            for t, lp in entry.items():
+                assert lp == pytest.approx(ref[p - 1, t].item(), abs=1e-4)
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_sample_logprobs_match_hf(llm, hf, reference):
+    n = 3
+    outs = llm.generate(PROMPTS[:2], greedy(8, logprobs=n))
+    for out, ref_out in zip(outs, reference):
+        c = out.outputs[0]
+        assert c.token_ids == ref_out.outputs[0].token_ids[:8]
+        ref = hf(out.prompt_token_ids + c.token_ids)
+        P = len(out.prompt_token_ids)
+        assert len(c.logprobs) == len(c.token_ids)
+        for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert t in entry and len(entry) in (n, n + 1)
+            assert len(entry) == n  # greedy: the sampled token is the top one
+            assert set(ref[P - 1 + i].topk(n).indices.tolist()) == entry.keys()
+            for tid, lp in entry.items():
+                assert lp == pytest.approx(ref[P - 1 + i, tid].item(), abs=1e-4)
+        assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)))
+    # a sampled (not greedy) token that is not among the top n still gets its entry
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=5.0, seed=0, logprobs=1, max_tokens=16,
+                                                  ignore_eos=True))[0].outputs[0]
+    assert all(t in e and len(e) in (1, 2) for t, e in zip(out.token_ids, out.logprobs))
+    assert any(len(e) == 2 for e in out.logprobs)
+    assert_all_blocks_free(llm.llm_engine)
+
+
+# --------------------------------------------------------------------------------- stops
+@pytest.fixture(scope="module")
+def ascii_ref(reference):
+    """A reference output whose text is plain text, long enough to cut stop strings from."""
+    return next(o for o in reference if o.outputs[0].text.isascii() and o.outputs[0].text.isprintable()
+                and len(o.outputs[0].text) > 12)
+
+
+def test_stop_strings(llm, ascii_ref, tok):
+    prompt, ref = ascii_ref.prompt, ascii_ref.outputs[0]
+    text = ref.text
+    stop = text[6:9]
+    cut = text.find(stop)
+    for include in (False, True):
+        out = llm.generate(prompt, greedy(stop=["never appears", stop], include_stop_str_in_output=include))
+        c = out[0].outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == stop
+        assert c.text == (text[:cut + len(stop)] if include else text[:cut])
+        # generation ended on the token that completed the stop string
+        assert c.token_ids == ref.token_ids[:len(c.token_ids)]
+        assert stop in tok.decode(c.token_ids) and stop not in tok.decode(c.token_ids[:-1])
+        assert tok.decode(c.token_ids).startswith(text[:cut] + stop)
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_stop_token_ids_and_min_tokens(llm, reference):
+    ref = reference[4].outputs[0].token_ids
+    j = first_new_token(ref, 2)
+    stop_id = ref[j]
+    out = llm.generate(PROMPTS[4], greedy(stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == ref[:j + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # min_tokens: the stop token cannot come before min_tokens tokens
+    m = j + 4
+    out = llm.generate(PROMPTS[4], greedy(stop_token_ids=[stop_id], min_tokens=m))[0].outputs[0]
+    assert len(out.token_ids) > m and stop_id not in out.token_ids[:m]
+    assert out.finish_reason == "length" or out.token_ids[-1] == stop_id
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_stop_string_waits_for_min_tokens(llm, ascii_ref, tok):
+    """Stop strings are not checked before min_tokens (vLLM); the output runs past the first hit."""
+    prompt, ref = ascii_ref.prompt, ascii_ref.outputs[0]
+    stop = ref.text[6:9]
+    first = llm.generate(prompt, greedy(stop=stop))[0].outputs[0]
+    m = len(first.token_ids) + 2
+    out = llm.generate(prompt, greedy(stop=stop, min_tokens=m))[0].outputs[0]
+    assert len(out.token_ids) > m
+    assert out.token_ids == ref.token_ids[:len(out.token_ids)]
+    if out.finish_reason == "stop":
+        assert out.stop_reason == stop and len(out.text) > len(first.text)
+        assert tok.decode(out.token_ids).startswith(out.text + stop)  # cut where the stop string begins
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_eos_finish(llm, reference, tok):
+    """The model's EOS (here: swapped for a token the tiny model does emit) ends a request with
+    "stop" unless ignore_eos; min_tokens masks it."""
+    engine = llm.llm_engine
+    ref = reference[4].outputs[0].token_ids
+    j = first_new_token(ref, 2)
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = (ref[j],)
+    try:
+        plain = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        outs = llm.generate([PROMPTS[4], PROMPTS[4], PROMPTS[4]], [
+            plain, greedy(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=j + 3)])
+    finally:
+        engine.eos_token_ids = saved
+    eos, ignored, late = (o.outputs[0] for o in outs)
+    assert eos.token_ids == ref[:j + 1] and eos.finish_reason == "stop" and eos.stop_reason is None
+    assert ignored.token_ids == ref and ignored.finish_reason == "length"
+    assert ref[j] not in late.token_ids[:j + 3] and len(late.token_ids) > j + 3
+    assert_text_is_decode(tok, outs)
+    assert_all_blocks_free(engine)
+
+
+def test_abort_frees_blocks(chunked_llm, no_evict_llm):
+    # mid chunked prefill, and mid decode after a fork
+    engine = chunked_llm.llm_engine
+    long = engine.add_request(PROMPTS[2], greedy())
+    forked = engine.add_request(PROMPTS[1], greedy(n=3))
+    engine.step()
+    assert 0 < long.sequences[0].num_computed_tokens < long.num_prompt_tokens
+    aborted = engine.abort(long.request_id)
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    while len(forked.sequences) < 3 or not forked.sequences[0].output_token_ids:
+        engine.step()
+    engine.step()
+    out = engine.abort(forked.request_id)
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 3
+    assert all(len(c.token_ids) >= 1 for c in out.outputs)
+    assert engine.abort(forked.request_id) is None  # already gone
+    assert_all_blocks_free(engine)
+    # guaranteed_no_evict: the running request's reservation is returned along with its blocks
+    engine = no_evict_llm.llm_engine
+    running = engine.add_request(PROMPTS[2], greedy())
+    waiting = engine.add_request(PROMPTS[3], greedy(n=2))
+    engine.step()
+    engine.step()
+    assert engine.kv.reserved > 0 and running.sequences[0].output_token_ids
+    assert waiting.sequences[0].num_computed_tokens == 0  # no room for both
+    engine.abort(waiting.request_id)
+    engine.abort(running.request_id)
+    assert_all_blocks_free(engine)
+
+
+# --------------------------------------------------------------------------------- AsyncLLM
+def test_async_streaming(async_llm, reference, tok):
+    async def stream():
+        return [o async for o in async_llm.generate(PROMPTS[3], greedy())]
+
+    outs = asyncio.run(stream())
+    assert len(outs) >= MAX_TOKENS
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    lens = [len(o.outputs[0].token_ids) for o in outs]
+    assert lens == sorted(lens) and lens[-1] == MAX_TOKENS
+    final = outs[-1].outputs[0]
+    assert final.token_ids == reference[3].outputs[0].token_ids and final.finish_reason == "length"
+    for o in outs:
+        assert final.text.startswith(o.outputs[0].text)
+        assert final.token_ids[:len(o.outputs[0].token_ids)] == o.outputs[0].token_ids
+    assert final.text == tok.decode(final.token_ids, skip_special_tokens=True)
+    assert outs[-1].metrics.time_to_first_token > 0 and outs[-1].metrics.time_per_output_token > 0
+
+
+def test_async_concurrent(async_llm, reference):
+    async def one(prompt):
+        last = None
+        async for out in async_llm.generate(prompt, greedy()):
+            last = out
+        return last
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    outs = asyncio.run(main())
+    assert tokens(outs) == tokens(reference)
+    assert len({o.request_id for o in outs}) == len(PROMPTS)
+    with async_llm._lock:
+        assert_all_blocks_free(async_llm.llm_engine)
+
+
+def test_async_close_early_aborts(async_llm):
+    async def main():
+        gen = async_llm.generate(PROMPTS[0], greedy(150), request_id="early")
+        got = [await gen.__anext__() for _ in range(3)]
+        await gen.aclose()
+        return got
+
+    got = asyncio.run(main())
+    assert not got[-1].finished
+    with async_llm._lock:
+        assert "early" not in async_llm.llm_engine.requests
+        assert_all_blocks_free(async_llm.llm_engine)
+
+
+def test_async_abort(async_llm):
+    async def main():
+        started = asyncio.Event()
+        outs = []
+
+        async def consume():
+            async for out in async_llm.generate(PROMPTS[1], greedy(150), request_id="to-abort"):
+                outs.append(out)
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(started.wait(), 30)
+        # a new request gets into the busy engine and finishes while the long one still runs
+        short = [o async for o in async_llm.generate(PROMPTS[4], greedy(2))]
+        assert short[-1].finished and len(short[-1].outputs[0].token_ids) == 2
+        assert "to-abort" in async_llm.llm_engine.requests
+        async_llm.abort("to-abort")
+        await asyncio.wait_for(task, 10)  # the stream ends; its consumer is not left waiting
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert len(outs[-1].outputs[0].token_ids) < 150
+    with async_llm._lock:
+        assert_all_blocks_free(async_llm.llm_engine)
+    async_llm.abort("to-abort")  # unknown or finished ids are ignored

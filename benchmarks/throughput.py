@@ -65,14 +65,18 @@ def time_kiln(llm, batch, input_len, output_len, vocab):
 
 def time_hf(model, batch, input_len, output_len, vocab):
     ids = torch.tensor(prompts(batch, input_len, vocab))
-    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+
+    def generate(x, n):
+        return model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0,
+                              max_new_tokens=n, min_new_tokens=n)
+
     with torch.inference_mode():
-        model.generate(ids[:1], max_new_tokens=4, **kwargs)  # warm-up
+        generate(ids[:1], 4)  # warm-up
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        generate(ids, 1)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+        generate(ids, output_len)
         total = time.perf_counter() - start
     return batch * (output_len - 1) / max(total - prefill, 1e-9)
 

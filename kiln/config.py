@@ -196,9 +196,10 @@ class BuildConfig:
     kv_cache_dtype: str | None = None  # None: the model's dtype
     backend: str = "aoti"
     max_autotune: bool = False
+    # TensorRT-LLM's names. None: trace the op inline for the backend's compiler to fuse (fastest
+    # under AOTInductor on CPU); "auto": keep it a kiln:: plugin node in the graph.
     plugin_config: dict = field(default_factory=lambda: {
-        "gpt_attention_plugin": "auto", "rmsnorm_plugin": None, "rope_plugin": None,
-        "swiglu_plugin": None,
+        "gpt_attention_plugin": None, "rmsnorm_plugin": None, "rope_plugin": None, "swiglu_plugin": None,
     })
     kiln_version: str = __version__
     target_device: str = "cpu"

@@ -85,3 +85,17 @@ def test_greedy_matches_hf(name, backend, engine, hf_models, capsys):
     with capsys.disabled():
         print(f"\n[{name}/{backend}] max |logit - HF logit| = {worst:.2e}")
     assert worst < 1e-3
+
+
+def test_aoti_engine_writes_the_pool_in_place(engine):
+    """The compiled step updates the KV pool passed in; it neither copies nor replaces it."""
+    runner = Engine(engine("llama", "aoti"), max_tokens_in_paged_kv_cache=256)
+    pool, ptr = runner.kv_cache, runner.kv_cache.data_ptr()
+    req = Request("r", None, list(range(3, 20)), SamplingParams(), 1)
+    seq = Sequence(req, 0, list(req.prompt_token_ids))
+    seq.block_table = [5, 2, 30]  # scattered pages
+    plan = plan_step(SchedulerOutput([(seq, 17)]), 8)
+    runner(plan.inputs)
+    assert runner.kv_cache is pool and pool.data_ptr() == ptr
+    written = pool.abs().sum(dim=(0, 1, 3, 4, 5)) > 0
+    assert written.nonzero().flatten().tolist() == [2, 5, 30]

@@ -132,20 +132,6 @@ def test_kv_cache_write(dtype, block_size):
         assert torch.equal(cache, expected), label  # exactly those slots; everything else untouched
 
 
-def test_kv_cache_write_skips_negative_slots():
-    """A slot < 0 (padding) writes nothing, as the reference specifies."""
-    g = torch.Generator().manual_seed(5)
-    cache0 = torch.randn(1, 2, 3, 4, 1, 2, generator=g)
-    k, v = torch.randn(4, 1, 2, generator=g), torch.randn(4, 1, 2, generator=g)
-    slots = torch.tensor([5, -1, 0, -1])
-    expected = cache0.clone()
-    reference.kv_cache_write(expected, 0, k, v, slots)
-    for label, fn in _paths("kv_cache_write"):
-        cache = cache0.clone()
-        fn(cache, 0, k, v, slots)
-        assert torch.equal(cache, expected), label
-
-
 # --------------------------------------------------------------------------- paged attention
 
 

@@ -17,7 +17,8 @@ STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "ctx_token_index", "ctx
 
 
 class _Ops:
-    """Picks the plugin op or the inline CPU path (fused by the graph compiler) for each elementwise op."""
+    """Picks, per op, the plugin (a custom-op node the backend maps to its kernel) or the inline CPU
+    path (traced into the graph, where the compiler fuses it and no call leaves compiled code)."""
 
     def __init__(self, plugin_config: dict):
         def pick(key, name):
@@ -27,6 +28,8 @@ class _Ops:
         self.fused_add_rms_norm = pick("rmsnorm_plugin", "fused_add_rms_norm")
         self.rotary_embedding = pick("rope_plugin", "rotary_embedding")
         self.silu_and_mul = pick("swiglu_plugin", "silu_and_mul")
+        self.kv_cache_write = pick("gpt_attention_plugin", "kv_cache_write")
+        self.paged_attention = pick("gpt_attention_plugin", "paged_attention")
 
 
 class LlamaLayer(nn.Module):
@@ -105,8 +108,8 @@ class LlamaForCausalLM(nn.Module):
                 q = o.rms_norm(q, layer.q_layernorm, self.eps)
                 k = o.rms_norm(k, layer.k_layernorm, self.eps)
             q, k = o.rotary_embedding(q, k, cos, sin)
-            ops.kv_cache_write(kv_cache, i, k, v, slot_mapping)
-            attn = ops.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
+            o.kv_cache_write(kv_cache, i, k, v, slot_mapping)
+            attn = o.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
                                        gen_token_index, gen_block_tables, gen_context_lens, self.scale)
             hidden = F.linear(attn.reshape(T, H * D), layer.dense)
             x, residual = o.fused_add_rms_norm(hidden, residual, layer.post_layernorm, self.eps)

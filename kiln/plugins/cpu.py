@@ -29,42 +29,40 @@ def silu_and_mul(x):
 
 
 def kv_cache_write(kv_cache, layer, k, v, slot_mapping):
+    # One index_put_ on the pool itself: a write through a view of it compiles to a copy of the
+    # whole pool every step (DESIGN.md, constraint 3).
     block_size = kv_cache.shape[3]
-    if (slot_mapping < 0).any():  # padding slots write nothing (the reference skips them)
-        keep = slot_mapping >= 0
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    kv_cache[layer, 0, blocks, offsets] = k.to(kv_cache.dtype)
-    kv_cache[layer, 1, blocks, offsets] = v.to(kv_cache.dtype)
+    index = (torch.tensor(layer), torch.arange(2)[:, None], (slot_mapping // block_size)[None],
+             (slot_mapping % block_size)[None])
+    kv_cache.index_put_(index, torch.stack([k, v]).to(kv_cache.dtype))
 
 
-def _gather_kv(kv_cache, layer, block_tables):
+def _gather_kv(kv_cache, layer, block_tables, dtype):
     # [S, MB] pages -> [S, KH, MB * block_size, D]; a copy, which the C++ plugin avoids.
-    k = kv_cache[layer, 0][block_tables].flatten(1, 2).transpose(1, 2)
-    v = kv_cache[layer, 1][block_tables].flatten(1, 2).transpose(1, 2)
-    return k, v
+    kv = kv_cache[layer][:, block_tables].flatten(2, 3).transpose(2, 3).to(dtype)
+    return kv[0], kv[1]
 
 
 def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_context_lens,
                     gen_token_index, gen_block_tables, gen_context_lens, scale):
-    out = torch.empty_like(q)
-    if ctx_token_index.shape[0]:
-        valid = ctx_token_index >= 0
-        q_ctx = q[ctx_token_index.clamp(min=0)].transpose(1, 2)  # [Sc, H, Qmax, D]
-        k, v = _gather_kv(kv_cache, layer, ctx_block_tables)
-        q_lens = valid.sum(1)
-        query_pos = (ctx_context_lens - q_lens)[:, None] + torch.arange(q_ctx.shape[2])
-        query_pos = torch.minimum(query_pos, (ctx_context_lens - 1)[:, None])
-        key_pos = torch.arange(k.shape[2])
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [Sc, Qmax, K]
-        o = F.scaled_dot_product_attention(q_ctx, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
-                                           scale=scale, enable_gqa=True)
-        out[ctx_token_index[valid]] = o.transpose(1, 2)[valid]
-    if gen_token_index.shape[0]:
-        q_gen = q[gen_token_index][:, :, None, :]  # [Sg, H, 1, D]
-        k, v = _gather_kv(kv_cache, layer, gen_block_tables)
-        mask = torch.arange(k.shape[2])[None, :] < gen_context_lens[:, None]
-        o = F.scaled_dot_product_attention(q_gen, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None],
-                                           scale=scale, enable_gqa=True)
-        out[gen_token_index] = o[:, :, 0]
-    return out
+    """Traceable: sizes come only from input shapes, and both phases always run (either may be
+    empty), so the graph compiler can take it whole instead of calling back into Python."""
+    T = q.shape[0]
+    out = q.new_zeros(T + 1, *q.shape[1:])  # row T takes the context phase's padding
+    # Context phase: [Sc, H, Qmax, D] queries, causal from each chunk's offset in its sequence.
+    valid = ctx_token_index >= 0
+    q_ctx = q[ctx_token_index.clamp(min=0)].transpose(1, 2)
+    k, v = _gather_kv(kv_cache, layer, ctx_block_tables, q.dtype)
+    query_pos = (ctx_context_lens - valid.sum(1))[:, None] + torch.arange(q_ctx.shape[2])
+    query_pos = torch.minimum(query_pos, (ctx_context_lens - 1)[:, None])
+    mask = torch.arange(k.shape[2])[None, None, :] <= query_pos[:, :, None]  # [Sc, Qmax, K]
+    o = F.scaled_dot_product_attention(q_ctx, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    dest = torch.where(valid, ctx_token_index, T).flatten()
+    out.index_put_((dest,), o.transpose(1, 2).flatten(0, 1))
+    # Generation phase: one query per sequence, never padded to the context phase's Qmax.
+    k, v = _gather_kv(kv_cache, layer, gen_block_tables, q.dtype)
+    mask = torch.arange(k.shape[2])[None, :] < gen_context_lens[:, None]
+    o = F.scaled_dot_product_attention(q[gen_token_index][:, :, None], k, v, attn_mask=mask[:, None, None],
+                                       scale=scale, enable_gqa=True)
+    out.index_put_((gen_token_index,), o[:, :, 0])
+    return out[:T]

@@ -36,8 +36,7 @@ def silu_and_mul(x):
 def kv_cache_write(kv_cache, layer, k, v, slot_mapping):
     block_size = kv_cache.shape[3]
     for t, slot in enumerate(slot_mapping.tolist()):
-        if slot < 0:
-            continue
+        assert slot >= 0, "every token has a slot; the runtime never pads the flat batch"
         kv_cache[layer, 0, slot // block_size, slot % block_size] = k[t]
         kv_cache[layer, 1, slot // block_size, slot % block_size] = v[t]
 

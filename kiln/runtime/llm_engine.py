@@ -71,9 +71,14 @@ class LLMEngine:
                              f"engine's max_seq_len ({build.max_seq_len})")
         if params.n > self.max_batch_size:
             raise ValueError(f"n ({params.n}) exceeds max_batch_size ({self.max_batch_size})")
-        if self.kv.blocks_for(len(token_ids) + max_tokens) > self.kv.pool.num_blocks:
-            raise ValueError(f"prompt + max_tokens ({len(token_ids) + max_tokens} tokens) does not fit in the "
-                             f"KV cache ({self.kv.pool.num_blocks * build.tokens_per_block} tokens)")
+        if not self.scheduler.enable_chunked_prefill and len(token_ids) > self.max_num_tokens:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_tokens "
+                             f"({self.max_num_tokens}) allows without chunked prefill")
+        per_sample = self.kv.blocks_for(len(token_ids) + max_tokens)
+        shared = len(token_ids) // build.tokens_per_block  # full prompt blocks, shared by the n samples
+        if per_sample + (params.n - 1) * (per_sample - shared) > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt + max_tokens ({len(token_ids) + max_tokens} tokens, n={params.n}) does not "
+                             f"fit in the KV cache ({self.kv.pool.num_blocks * build.tokens_per_block} tokens)")
         req = Request(request_id, text, token_ids, params, max_tokens, forked=params.n == 1)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]

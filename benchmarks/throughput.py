@@ -110,7 +110,8 @@ def main():
                     help="where the model, checkpoint and engine are kept (reused when present)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--backend", default="aoti", choices=["aoti", "eager"])
-    ap.add_argument("--max_autotune", action="store_true", help="build with AOTInductor max-autotune")
+    ap.add_argument("--max_autotune", action=argparse.BooleanOptionalAction, default=None,
+                    help="AOTInductor max-autotune (default: engine-build's, i.e. on for bf16/fp16)")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the engine even if one exists")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--input_len", type=int, default=128)
@@ -134,7 +135,8 @@ def main():
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     hf_dir = args.hf_dir or make_model(work / "hf", dtype)
-    engine_dir = work / f"engine_{args.backend}_{args.dtype}{'_autotune' if args.max_autotune else ''}"
+    suffix = {None: "", True: "_autotune", False: "_noautotune"}[args.max_autotune]
+    engine_dir = work / f"engine_{args.backend}_{args.dtype}{suffix}"
     max_batch = max(args.batch)
     build_seconds = None
     if args.rebuild or not (engine_dir / "config.json").exists():
@@ -174,7 +176,8 @@ def main():
     for length, r in results["prefill"].items():
         row(f"prefill {length} tokens", r)
     if build_seconds is not None:
-        print(f"engine build: {build_seconds:.1f}s ({args.backend}{', max-autotune' if args.max_autotune else ''})")
+        autotune = llm.llm_engine.build_config.max_autotune
+        print(f"engine build: {build_seconds:.1f}s ({args.backend}{', max-autotune' if autotune else ''})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -18,6 +18,35 @@ cli.add_command(convert_command, "convert")
 cli.add_command(build_command, "build")
 
 
+@cli.command("eval-ppl")
+@click.option("--engine_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Engine dir written by engine-build.")
+@click.option("--files", required=True, multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Text files to score; give the option once per file, or several paths after it.")
+@click.argument("more_files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.option("--max_len", type=int, default=None,
+              help="Window length in tokens (default and upper bound: the engine's max_input_len).")
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: torch's).")
+def eval_ppl(engine_dir, files, more_files, max_len, threads):
+    """Perplexity of text files through the engine (prompt log-probabilities, in windows)."""
+    from pathlib import Path
+
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.perplexity import perplexity
+
+    try:
+        llm = LLM(engine_dir, threads=threads)
+        limit = llm.llm_engine.build_config.max_input_len
+        if max_len is not None and not 2 <= max_len <= limit:
+            raise ValueError(f"--max_len must be in [2, {limit}] (the engine's max_input_len), got {max_len}")
+        texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in (*files, *more_files)]
+        result = perplexity(llm, texts, max_len or limit)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{result.num_tokens} tokens in {result.num_windows} windows, mean NLL {result.nll:.4f}", err=True)
+    click.echo(f"perplexity: {result.perplexity:.4f}")
+
+
 @cli.command()
 @click.option("--engine_dir", required=True, type=click.Path(exists=True, file_okay=False),
               help="Engine dir written by engine-build.")

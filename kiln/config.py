@@ -195,7 +195,7 @@ class BuildConfig:
     tokens_per_block: int = 32
     kv_cache_dtype: str | None = None  # None: the model's dtype
     backend: str = "aoti"
-    max_autotune: bool = False
+    max_autotune: bool | None = None  # None: on where it pays (aoti with bf16/fp16 weights)
     # TensorRT-LLM's names. None: trace the op inline for the backend's compiler to fuse (fastest
     # under AOTInductor on CPU); "auto": keep it a kiln:: plugin node in the graph.
     plugin_config: dict = field(default_factory=lambda: {

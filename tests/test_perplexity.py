@@ -1,0 +1,53 @@
+"""`kiln eval-ppl` against HF transformers' perplexity on the same files and windows."""
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+
+from kiln import LLM
+from kiln.cli import cli
+from kiln.runtime.perplexity import perplexity, windows
+
+FILES = [Path(sysconfig.get_paths()["stdlib"]) / name for name in ("json/tool.py", "colorsys.py")]
+
+
+def hf_perplexity(model_dir, tokenizer, texts, max_len):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    for text in texts:
+        for w in windows(tokenizer.encode(text, add_special_tokens=False), max_len):
+            with torch.no_grad():
+                logits = model(torch.tensor([w])).logits[0, :-1]
+            total += torch.nn.functional.cross_entropy(logits, torch.tensor(w[1:]), reduction="sum").item()
+            count += len(w) - 1
+    return math.exp(total / count)
+
+
+def test_windows():
+    assert windows(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert windows(list(range(9)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a lone last token predicts nothing
+
+
+@pytest.mark.parametrize("max_len", [128, 40])
+def test_perplexity_matches_hf(engine, hf_model, max_len):
+    llm = LLM(engine("llama"))
+    texts = [f.read_text() for f in FILES]
+    ours = perplexity(llm, texts, max_len)
+    theirs = hf_perplexity(hf_model("llama"), llm.get_tokenizer(), texts, max_len)
+    assert ours.num_windows > len(texts)  # the files really were split into windows
+    assert abs(ours.perplexity / theirs - 1) < 0.005, (ours.perplexity, theirs)
+
+
+def test_eval_ppl_cli(engine):
+    result = CliRunner().invoke(cli, ["eval-ppl", "--engine_dir", str(engine("llama")),
+                                      "--files", str(FILES[0]), str(FILES[1]), "--max_len", "64"])
+    assert result.exit_code == 0, result.output
+    value = float(result.stdout.strip().splitlines()[-1].removeprefix("perplexity: "))
+    assert value > 1
+    bad = CliRunner().invoke(cli, ["eval-ppl", "--engine_dir", str(engine("llama")),
+                                   "--files", str(FILES[0]), "--max_len", "1000"])
+    assert bad.exit_code != 0 and "max_len must be in [2, 128]" in bad.output

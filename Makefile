@@ -1,6 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO := demo_out
+MODEL := models/kiln-tiny-stdlib
 
 .PHONY: install test demo clean
 
@@ -16,13 +17,14 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.txt
 test: install
 	$(PY) -m pytest -q tests
 
+# The default model: a 6M-parameter Llama trained on the standard library's source by
+# examples/train_default_model.py (see models/kiln-tiny-stdlib/README.md).
 demo: install
-	$(PY) examples/make_tiny_model.py $(DEMO)/hf
-	$(VENV)/bin/convert_checkpoint --model_dir $(DEMO)/hf --output_dir $(DEMO)/checkpoint --dtype bfloat16
+	$(VENV)/bin/convert_checkpoint --model_dir $(MODEL) --output_dir $(DEMO)/checkpoint --dtype bfloat16
 	$(VENV)/bin/engine-build --checkpoint_dir $(DEMO)/checkpoint --output_dir $(DEMO)/engine \
 		--max_batch_size 8 --max_input_len 256 --max_seq_len 512 --max_num_tokens 512
-	$(VENV)/bin/kiln run --engine_dir $(DEMO)/engine --max_tokens 48 \
-		--prompt 'def fibonacci(n):' --prompt 'import os'
+	$(VENV)/bin/kiln run --engine_dir $(DEMO)/engine --max_tokens 64 \
+		--prompt 'def fibonacci(n):' --prompt 'class Stack:'
 
 clean:
 	rm -rf $(DEMO) $(VENV)

@@ -11,9 +11,10 @@ from kiln.runtime.sequence import Request, Sequence
 from tiny_models import PROMPTS
 
 NEW_TOKENS = 24
-# Every family compiled with AOTInductor once; the rope-scaling variants on the eager backend.
+# Every family on both backends; the other rope-scaling variants on the eager backend.
 CASES = [("llama", "aoti"), ("mistral", "aoti"), ("qwen2", "aoti"), ("qwen3", "aoti"),
-         ("llama", "eager"), ("llama_linear", "eager"), ("llama_dynamic", "eager"), ("qwen3", "eager")]
+         ("llama", "eager"), ("mistral", "eager"), ("qwen2", "eager"), ("qwen3", "eager"),
+         ("llama_linear", "eager"), ("llama_dynamic", "eager")]
 
 
 def hf_greedy(model, prompt_ids: list[int]) -> list[int]:

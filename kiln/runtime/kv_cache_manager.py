@@ -12,6 +12,13 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)
 
+    def request_blocks(self, num_prompt_tokens: int, max_len: int, n: int) -> tuple[int, int]:
+        """Blocks a request can ever hold at once: (all n samples, each forked sample's own share).
+        The n samples share the prompt's full blocks; the rest each sample grows on its own."""
+        per_sample = self.blocks_for(max_len)
+        own = per_sample - num_prompt_tokens // self.tokens_per_block
+        return per_sample + (n - 1) * own, own
+
     @property
     def num_available(self) -> int:
         return self.pool.num_free - self.reserved

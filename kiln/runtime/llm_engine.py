@@ -74,9 +74,12 @@ class LLMEngine:
         if not self.scheduler.enable_chunked_prefill and len(token_ids) > self.max_num_tokens:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_tokens "
                              f"({self.max_num_tokens}) allows without chunked prefill")
-        per_sample = self.kv.blocks_for(len(token_ids) + max_tokens)
-        shared = len(token_ids) // build.tokens_per_block  # full prompt blocks, shared by the n samples
-        if per_sample + (params.n - 1) * (per_sample - shared) > self.kv.pool.num_blocks:
+        if self.scheduler.policy == "guaranteed_no_evict":
+            need, _ = self.kv.request_blocks(len(token_ids), len(token_ids) + max_tokens, params.n)
+        else:  # samples may take turns (preemption), but the fork needs the prompt + n - 1 blocks at once
+            need = max(self.kv.blocks_for(len(token_ids) + max_tokens),
+                       self.kv.blocks_for(len(token_ids)) + params.n - 1)
+        if need > self.kv.pool.num_blocks:
             raise ValueError(f"prompt + max_tokens ({len(token_ids) + max_tokens} tokens, n={params.n}) does not "
                              f"fit in the KV cache ({self.kv.pool.num_blocks * build.tokens_per_block} tokens)")
         req = Request(request_id, text, token_ids, params, max_tokens, forked=params.n == 1)
@@ -189,7 +192,9 @@ class LLMEngine:
         """The prompt is computed: make the request's other n - 1 samples, sharing its KV blocks."""
         req = parent.request
         copies = []
-        per_child = parent.reserved_blocks // req.params.n
+        # guaranteed_no_evict: each sample takes its own share of the request's reservation.
+        per_child = self.kv.request_blocks(req.num_prompt_tokens, req.max_len, req.params.n)[1] \
+            if parent.reserved_blocks else 0
         children = []
         for index in range(1, req.params.n):
             child = self._new_sequence(req, index, list(parent.token_ids))

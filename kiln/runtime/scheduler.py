@@ -89,8 +89,8 @@ class Scheduler:
             # every new sequence reserves (an n=1 request is `forked` from the start)
             if self.policy == "guaranteed_no_evict" and seq.reserved_blocks == 0:
                 req = seq.request
-                total = self.kv.blocks_for(min(req.num_prompt_tokens + req.max_tokens, self.max_seq_len))
-                if not self.kv.reserve(seq, total * req.params.n):
+                total, _ = self.kv.request_blocks(req.num_prompt_tokens, req.max_len, req.params.n)
+                if not self.kv.reserve(seq, total):
                     break
             headroom = self._fork_headroom(seq, n)
             if not self.kv.allocate_slots(seq, n, held + headroom):

@@ -72,5 +72,10 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def max_len(self) -> int:
+        """Prompt + the most tokens a sample may generate (max_tokens is already bounded by max_seq_len)."""
+        return self.num_prompt_tokens + self.max_tokens
+
+    @property
     def finished(self) -> bool:
         return self.forked and all(s.finished for s in self.sequences)

@@ -47,13 +47,9 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.extend(request.sequences)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_tokens
-        scheduled_ids = set()
         held = 0  # blocks kept free for the forks of sequences scheduled earlier in this step
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_batch_size:
@@ -61,20 +57,18 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             headroom = self._fork_headroom(seq, n)
             while not self.kv.allocate_slots(seq, n, held + headroom):
+                if self.policy == "guaranteed_no_evict":  # admission reserved every block it needs
+                    raise RuntimeError(f"KV cache reservation broken for request {seq.request.request_id}")
+                # The latest admitted goes first; it is never one already scheduled in this step.
                 victim = self.running[-1]
-                if id(victim) in scheduled_ids or self.policy == "guaranteed_no_evict":
-                    raise RuntimeError(f"KV cache too small to run sequence {seq.request.request_id} "
-                                       f"({self.kv.pool.num_blocks} blocks)")
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
                 out.scheduled.append((seq, n))
-                scheduled_ids.add(id(seq))
                 held += headroom
                 budget -= n
                 i += 1
-                continue
         if out.preempted:
             return out
         while self.waiting and budget > 0:

@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements/cpu.txt
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m kiln.plugins.cpp
 	touch $@
 
 test: install

@@ -1,4 +1,5 @@
 """Session-wide tiny models and engines, built once and shared by every test that asks."""
+import json
 import sys
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def engine(checkpoint, tmp_path_factory):
     cache = {}
 
     def get(name: str, backend: str = "eager", dtype: str = "float32", **overrides) -> Path:
-        key = (name, backend, dtype, tuple(sorted(overrides.items())))
+        key = (name, backend, dtype, json.dumps(overrides, sort_keys=True))  # values may be dicts
         if key not in cache:
             build = BuildConfig(**{**TEST_BUILD, **overrides, "backend": backend})
             out = tmp_path_factory.mktemp(f"engine_{name}_{backend}") / "e"

@@ -1,4 +1,5 @@
 """Backends turn one rank's ExportedProgram into a serialized engine file, and load it back."""
+import json
 import os
 import shutil
 import tempfile
@@ -24,10 +25,23 @@ def compile_eager(program, path: Path, max_autotune: bool) -> None:
 COMPILERS = {"aoti": compile_aoti, "eager": compile_eager}
 
 
+def uses_cpp_plugins(engine_dir: Path) -> bool:
+    """Whether the engine in engine_dir was built with a C++ plugin (kiln_cpp:: ops in its graph)."""
+    try:
+        plugins = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]["plugin_config"]
+        return "cpp" in plugins.values()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
 def load(backend: str, path: Path):
     """A callable taking the step inputs as keyword arguments and returning logits."""
     import kiln.plugins  # noqa: F401  (registers the kiln:: ops the engine calls)
 
+    if uses_cpp_plugins(Path(path).parent):
+        from kiln.plugins import cpp
+
+        cpp.ensure_built()  # registers the kiln_cpp:: ops (building them once if this machine has not)
     if backend == "aoti":
         with open(path, "rb") as f:  # a file object: a path would have to end in .pt2
             return torch._inductor.aoti_load_package(f)

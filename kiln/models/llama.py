@@ -30,6 +30,13 @@ class _Ops:
         self.silu_and_mul = pick("swiglu_plugin", "silu_and_mul")
         self.kv_cache_write = pick("gpt_attention_plugin", "kv_cache_write")
         self.paged_attention = pick("gpt_attention_plugin", "paged_attention")
+        if plugin_config.get("gpt_attention_plugin") == "cpp":
+            # The C++ plugin (kiln/plugins/csrc): a kiln_cpp:: node AOTInductor calls without Python.
+            # The KV write stays inline: one index_put_ on the pool, compiled in place.
+            from kiln.plugins import cpp
+
+            self.kv_cache_write = cpu.kv_cache_write
+            self.paged_attention = cpp.paged_attention_op()
 
 
 class LlamaLayer(nn.Module):

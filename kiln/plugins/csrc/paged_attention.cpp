@@ -1,0 +1,315 @@
+// kiln_cpp::paged_attention: the C++ CPU paged-attention plugin.
+//
+// Same semantics as kiln/plugins/reference.py's paged_attention (the spec), over one engine step
+// (DESIGN.md, "The engine step"): q [T, H, D]; kv_cache [L, 2, blocks, block_size, KH, D];
+// context requests ctx_token_index [Sc, Qmax] (-1 padded), ctx_block_tables [Sc, MBc],
+// ctx_context_lens [Sc] (cached + new tokens); generation requests gen_token_index [Sg],
+// gen_block_tables [Sg, MBg], gen_context_lens [Sg]. Returns [T, H, D] in q's dtype; tokens in
+// neither phase are left zero.
+//
+// This file validates the step, turns it into work items (context chunks tiled over query tokens
+// per KV head; generation tokens over all KV heads, long ones split into partitions of pages when
+// threads would idle), schedules them over ATen's intra-op threads (largest first, handed out
+// dynamically) and runs the kernel ATen's CPU-capability dispatch would pick
+// (paged_attention_kernel.h, built once per capability). Registered as a TORCH_LIBRARY op with a
+// Meta kernel, so torch.export traces it and an AOTInductor package calls it through the
+// dispatcher, without Python.
+
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/enum_tag.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "paged_attention.h"
+#include "paged_attention_x86.h"
+
+namespace kiln {
+namespace {
+
+constexpr const char* kOp = "kiln_cpp::paged_attention: ";
+
+struct Kernel {
+  const char* name;
+  ScratchSizeFn scratch_size;
+  AttendFn attend;
+};
+
+Kernel select_kernel() {
+  // ATen's choice for this CPU (ATEN_CPU_CAPABILITY overrides it, for ATen's ops and for this one).
+  const std::string capability = at::get_cpu_capability();
+#if KILN_X86_KERNELS
+  if (capability == "AVX512") return {"AVX512", &AVX512::scratch_size, &AVX512::attend};
+  if (capability == "AVX2") return {"AVX2", &AVX2::scratch_size, &AVX2::attend};
+#endif
+  return {"DEFAULT", &DEFAULT::scratch_size, &DEFAULT::attend};
+}
+
+const Kernel& kernel() {
+  static const Kernel k = select_kernel();
+  return k;
+}
+
+DType dtype_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::Float;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kHalf: return DType::Half;
+    default: TORCH_CHECK(false, kOp, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+void check_dim(const at::Tensor& t, int64_t dim, const char* name, const char* shape) {
+  TORCH_CHECK(t.dim() == dim, kOp, name, " must be ", shape, ", got shape ", t.sizes());
+}
+
+// Generation sequences shorter than two partitions are never split.
+constexpr int64_t kMinPartitionKeys = 512;
+
+// The partitions of one generation token, consecutive in the partial buffer.
+struct Combine {
+  int64_t token;
+  const float* first;
+  int64_t parts;
+};
+
+template <typename T>
+void combine_rows(const AttentionParams& p, const Combine& c, T* out) {
+  const int64_t H = p.num_heads, D = p.head_dim, stride = H * (D + 2);
+  std::vector<float> acc(D);
+  for (int64_t h = 0; h < H; ++h) {
+    const float* row = c.first + h * (D + 2);
+    float M = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < c.parts; ++k) M = std::max(M, row[k * stride + D]);
+    float L = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t k = 0; k < c.parts; ++k) {
+      const float* part = row + k * stride;
+      const float w = std::exp(part[D] - M);
+      L += part[D + 1] * w;
+      for (int64_t d = 0; d < D; ++d) acc[d] += part[d] * w;
+    }
+    T* dst = out + (c.token * H + h) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] / L);
+  }
+}
+
+void combine(const AttentionParams& p, const Combine& c) {
+  switch (p.q_dtype) {
+    case DType::Float: return combine_rows(p, c, static_cast<float*>(p.out));
+    case DType::BFloat16: return combine_rows(p, c, static_cast<c10::BFloat16*>(p.out));
+    case DType::Half: return combine_rows(p, c, static_cast<c10::Half*>(p.out));
+  }
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, int64_t layer,
+                               const at::Tensor& ctx_token_index, const at::Tensor& ctx_block_tables,
+                               const at::Tensor& ctx_context_lens, const at::Tensor& gen_token_index,
+                               const at::Tensor& gen_block_tables, const at::Tensor& gen_context_lens,
+                               double scale) {
+  check_dim(q, 3, "q", "[num_tokens, num_heads, head_dim]");
+  check_dim(kv_cache, 6, "kv_cache", "[layers, 2, blocks, block_size, kv_heads, head_dim]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t L = kv_cache.size(0), NB = kv_cache.size(2), bs = kv_cache.size(3), KH = kv_cache.size(4);
+  TORCH_CHECK(kv_cache.size(1) == 2 && kv_cache.size(5) == D && bs >= 1, kOp,
+              "kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim=", D, "], got shape ",
+              kv_cache.sizes());
+  TORCH_CHECK(KH >= 1 && H % KH == 0, kOp, "num_heads (", H, ") must be a multiple of kv_heads (", KH, ")");
+  TORCH_CHECK(layer >= 0 && layer < L, kOp, "layer ", layer, " is outside the cache's ", L, " layers");
+  TORCH_CHECK(kv_cache.stride(5) == 1, kOp, "kv_cache's head_dim must be contiguous (it is read in place)");
+  const DType q_dtype = dtype_of(q, "q");
+  const DType kv_dtype = dtype_of(kv_cache, "kv_cache");
+  check_dim(ctx_token_index, 2, "ctx_token_index", "[num_ctx, max_ctx_tokens]");
+  check_dim(ctx_block_tables, 2, "ctx_block_tables", "[num_ctx, max_blocks]");
+  check_dim(ctx_context_lens, 1, "ctx_context_lens", "[num_ctx]");
+  check_dim(gen_token_index, 1, "gen_token_index", "[num_gen]");
+  check_dim(gen_block_tables, 2, "gen_block_tables", "[num_gen, max_blocks]");
+  check_dim(gen_context_lens, 1, "gen_context_lens", "[num_gen]");
+  const int64_t Sc = ctx_token_index.size(0), Qmax = ctx_token_index.size(1), Sg = gen_token_index.size(0);
+  TORCH_CHECK(ctx_block_tables.size(0) == Sc && ctx_context_lens.size(0) == Sc, kOp,
+              "ctx_token_index, ctx_block_tables and ctx_context_lens disagree on the number of context "
+              "requests: ", Sc, ", ", ctx_block_tables.size(0), ", ", ctx_context_lens.size(0));
+  TORCH_CHECK(gen_block_tables.size(0) == Sg && gen_context_lens.size(0) == Sg, kOp,
+              "gen_token_index, gen_block_tables and gen_context_lens disagree on the number of generation "
+              "requests: ", Sg, ", ", gen_block_tables.size(0), ", ", gen_context_lens.size(0));
+
+  // The step's metadata is small ([S, MB] at most); these are no-ops for the runtime's dtypes.
+  const at::Tensor ctx_index = ctx_token_index.to(at::kLong).contiguous();
+  const at::Tensor ctx_tables = ctx_block_tables.to(at::kInt).contiguous();
+  const at::Tensor ctx_lens = ctx_context_lens.to(at::kLong).contiguous();
+  const at::Tensor gen_index = gen_token_index.to(at::kLong).contiguous();
+  const at::Tensor gen_tables = gen_block_tables.to(at::kInt).contiguous();
+  const at::Tensor gen_lens = gen_context_lens.to(at::kLong).contiguous();
+  const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
+  at::Tensor out = at::zeros(q.sizes(), q.options());  // contiguous; tokens in neither phase stay 0
+  if (T == 0 || H == 0 || D == 0) return out;
+
+  auto check_pages = [&](const int32_t* table, int64_t width, int64_t length, const char* phase, int64_t i) {
+    const int64_t pages = (length + bs - 1) / bs;
+    TORCH_CHECK(pages <= width, kOp, phase, " request ", i, ": context length ", length, " needs ", pages,
+                " blocks of ", bs, " tokens, but its block table has ", width);
+    for (int64_t b = 0; b < pages; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < NB, kOp, phase, " request ", i, ": block table entry ", b,
+                  " is ", table[b], ", outside the pool's ", NB, " blocks");
+    }
+  };
+
+  const int64_t G = H / KH;
+  // Query tokens per context-phase work item: about 64 query rows, enough to amortize widening a
+  // bf16 page, small enough that a single long prefill still spreads over the threads.
+  const int64_t tile = std::max<int64_t>(1, 64 / G);
+  std::vector<int64_t> ctx_tokens;
+  ctx_tokens.reserve(Sc * Qmax);  // never reallocated below: items point into it
+  std::vector<WorkItem> items;
+  const int64_t* ci = ctx_index.const_data_ptr<int64_t>();
+  const int64_t* cl = ctx_lens.const_data_ptr<int64_t>();
+  const int32_t* ct = ctx_tables.const_data_ptr<int32_t>();
+  for (int64_t i = 0; i < Sc; ++i) {
+    const int64_t first = static_cast<int64_t>(ctx_tokens.size());
+    for (int64_t j = 0; j < Qmax; ++j) {
+      const int64_t token = ci[i * Qmax + j];
+      if (token < 0) continue;  // padding
+      TORCH_CHECK(token < T, kOp, "ctx_token_index[", i, ", ", j, "] = ", token, " is outside the step's ", T,
+                  " tokens");
+      ctx_tokens.push_back(token);
+    }
+    const int64_t q_len = static_cast<int64_t>(ctx_tokens.size()) - first, length = cl[i];
+    if (q_len == 0) continue;
+    TORCH_CHECK(q_len <= length, kOp, "context request ", i, " has ", q_len, " new tokens but context length ",
+                length, " (cached + new)");
+    const int32_t* table = ct + i * ctx_tables.size(1);
+    check_pages(table, ctx_tables.size(1), length, "context", i);
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile) {
+      const int64_t n = std::min(tile, q_len - t0), first_pos = length - q_len + t0;
+      const int64_t cost = n * G * (first_pos + (n + 1) / 2) + first_pos + n;
+      for (int64_t kh = 0; kh < KH; ++kh) {
+        items.push_back({ctx_tokens.data() + first + t0, n, first_pos, table, kh, kh + 1, 0, first_pos + n, nullptr,
+                         cost});
+      }
+    }
+  }
+  const int64_t* gi = gen_index.const_data_ptr<int64_t>();
+  const int64_t* gl = gen_lens.const_data_ptr<int64_t>();
+  const int32_t* gt = gen_tables.const_data_ptr<int32_t>();
+  int64_t total_cost = 0, gen_parts = 0;
+  for (const WorkItem& it : items) total_cost += it.cost;
+  for (int64_t i = 0; i < Sg; ++i) {
+    TORCH_CHECK(gi[i] >= 0 && gi[i] < T, kOp, "gen_token_index[", i, "] = ", gi[i], " is outside the step's ", T,
+                " tokens");
+    TORCH_CHECK(gl[i] >= 1, kOp, "generation request ", i, " has context length ", gl[i], "; expected >= 1");
+    check_pages(gt + i * gen_tables.size(1), gen_tables.size(1), gl[i], "generation", i);
+    total_cost += (G + 1) * KH * gl[i];
+  }
+  // A generation token is one work item over all KV heads: its pages are read once, whole. When a
+  // few long sequences would leave threads idle (a small decode batch at long context), each is
+  // split into partitions of whole pages, attended in parallel and combined after (flash-decoding).
+  // Partitions stay long enough that the combine pass costs little.
+  const int64_t threads = at::get_num_threads();
+  const int64_t target = std::max(total_cost / (4 * threads), (G + 1) * kMinPartitionKeys);
+  std::vector<int64_t> part_len(Sg, 0);
+  for (int64_t i = 0; i < Sg; ++i) {
+    const int64_t length = gl[i];
+    const int64_t parts = threads > 1 ? std::min((G + 1) * KH * length / target, length / kMinPartitionKeys) : 1;
+    if (parts > 1) {
+      part_len[i] = ((length + parts - 1) / parts + bs - 1) / bs * bs;
+      gen_parts += (length + part_len[i] - 1) / part_len[i];
+    }
+  }
+  std::vector<float> partial(gen_parts * H * (D + 2));
+  std::vector<Combine> combines;
+  float* next_partial = partial.data();
+  for (int64_t i = 0; i < Sg; ++i) {
+    const int64_t length = gl[i];
+    const int32_t* table = gt + i * gen_tables.size(1);
+    if (part_len[i] == 0) {
+      items.push_back({gi + i, 1, length - 1, table, 0, KH, 0, length, nullptr, (G + 1) * KH * length});
+      continue;
+    }
+    combines.push_back({gi[i], next_partial, 0});
+    for (int64_t k0 = 0; k0 < length; k0 += part_len[i]) {
+      const int64_t k1 = std::min(length, k0 + part_len[i]);
+      items.push_back({gi + i, 1, length - 1, table, 0, KH, k0, k1, next_partial, (G + 1) * KH * (k1 - k0)});
+      next_partial += H * (D + 2);
+      ++combines.back().parts;
+    }
+  }
+  if (items.empty()) return out;
+
+  // Largest first, handed out dynamically: a long prefill tile and many short decodes balance.
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+
+  const Kernel& k = kernel();
+  AttentionParams p;
+  p.q = qc.const_data_ptr();
+  p.q_dtype = q_dtype;
+  p.q_token_stride = qc.stride(0);
+  p.q_head_stride = qc.stride(1);
+  p.out = out.mutable_data_ptr();
+  const at::Tensor pool = kv_cache.select(0, layer);  // a view: nothing is copied
+  p.k = pool.select(0, 0).const_data_ptr();
+  p.v = pool.select(0, 1).const_data_ptr();
+  p.kv_dtype = kv_dtype;
+  p.block_stride = kv_cache.stride(2);
+  p.token_stride = kv_cache.stride(3);
+  p.head_stride = kv_cache.stride(4);
+  p.num_heads = H;
+  p.num_kv_heads = KH;
+  p.head_dim = D;
+  p.block_size = bs;
+  p.scale = static_cast<float>(scale);
+
+  int64_t scratch = 0;
+  for (const WorkItem& it : items) {
+    scratch = std::max(scratch, k.scratch_size(p, it.n_q, it.kv_head_end - it.kv_head_begin));
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n_items, threads), 1, [&](int64_t, int64_t) {
+    std::vector<float> buffer(scratch);
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) k.attend(p, items[i], buffer.data());
+  });
+  if (!combines.empty()) {
+    const int64_t n = static_cast<int64_t>(combines.size());
+    at::parallel_for(0, n, std::max<int64_t>(1, 4096 / (H * D)), [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) combine(p, combines[c]);
+    });
+  }
+  return out;
+}
+
+at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& kv_cache, int64_t layer,
+                                const at::Tensor& ctx_token_index, const at::Tensor& ctx_block_tables,
+                                const at::Tensor& ctx_context_lens, const at::Tensor& gen_token_index,
+                                const at::Tensor& gen_block_tables, const at::Tensor& gen_context_lens,
+                                double scale) {
+  return at::empty_like(q, at::MemoryFormat::Contiguous);
+}
+
+std::string kernel_capability() { return kernel().name; }
+
+}  // namespace
+}  // namespace kiln
+
+TORCH_LIBRARY(kiln_cpp, m) {
+  m.def("paged_attention(Tensor q, Tensor kv_cache, int layer, Tensor ctx_token_index, "
+        "Tensor ctx_block_tables, Tensor ctx_context_lens, Tensor gen_token_index, "
+        "Tensor gen_block_tables, Tensor gen_context_lens, float scale) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+  // Which build of the kernel runs on this CPU: "AVX512", "AVX2" or "DEFAULT".
+  m.def("kernel_capability() -> str", &kiln::kernel_capability);
+}
+
+TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) { m.impl("paged_attention", &kiln::paged_attention_cpu); }
+
+TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) { m.impl("paged_attention", &kiln::paged_attention_meta); }

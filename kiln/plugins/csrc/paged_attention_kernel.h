@@ -1,0 +1,434 @@
+// The paged-attention kernel, written once against ATen's at::vec::Vectorized<float> and compiled
+// once per CPU capability, as ATen builds its own kernels: paged_attention_<cap>.cpp defines
+// CPU_CAPABILITY (which names the namespace the code lands in, and ATen's vec namespace) and
+// CPU_CAPABILITY_AVX2 / CPU_CAPABILITY_AVX512 with the matching target options, then includes this
+// file. No raw intrinsics: the same source is plain C++ loops (DEFAULT), 8-wide AVX2 or 16-wide
+// AVX-512, and builds on any CPU ATen supports.
+//
+// A work item (paged_attention.h) is some query tokens of one sequence against some KV heads: a
+// context-phase tile (a few dozen tokens, one KV head) or a generation-phase token (all KV heads,
+// or a partition of the keys of a long sequence). Its query rows walk the sequence's pages in
+// order, reading each K/V page in place through the block table (a float cache directly; bf16 /
+// fp16 pages widened one page at a time into a small scratch), with an online softmax per row
+// (flash-attention style: running max m, running sum l, rescaled accumulator o), so no
+// [rows, context] score matrix is ever formed. The whole GQA group of a KV head shares each page.
+// Scores are dot products for a few rows, or broadcast-FMAs against the page's transposed K for
+// a context tile's many rows; p.V runs two rows per pass over the V page.
+//
+// No static data in this file: it would be initialized with this TU's target options at load
+// time, before the capability check (see ATen's Note [Do not compile initializers with AVX]).
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "paged_attention.h"
+
+namespace kiln {
+namespace CPU_CAPABILITY {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// From this many query rows on, a page's scores come from its transposed K (see scores_kt).
+constexpr int64_t kTiledRows = 12;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+inline float reduce_add(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v);
+}
+
+inline float reduce_max(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, v);
+}
+
+// dst[0, n) = float(src[0, n)) * mul, dst[n, padded) = 0.
+template <typename T>
+inline void load_row(const T* src, float mul, float* dst, int64_t n, int64_t padded) {
+  const Vec vm(mul);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    Vec x;
+    if constexpr (std::is_same_v<T, float>) {
+      x = Vec::loadu(src + i);
+    } else {
+      at::vec::load_to_float(src + i, x);
+    }
+    (x * vm).store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * mul;
+  for (; i < padded; ++i) dst[i] = 0.f;
+}
+
+// dst[0, n) = T(src[0, n) * mul), rounding once (to nearest even, as Tensor.to does).
+template <typename T>
+inline void store_row(const float* src, float mul, T* dst, int64_t n) {
+  const Vec vm(mul);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + W <= n; i += W) (Vec::loadu(src + i) * vm).store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul);
+}
+
+inline void load_q_row(const AttentionParams& p, const void* src, float* dst, int64_t Dp) {
+  switch (p.q_dtype) {
+    case DType::Float: return load_row(static_cast<const float*>(src), p.scale, dst, p.head_dim, Dp);
+    case DType::BFloat16: return load_row(static_cast<const c10::BFloat16*>(src), p.scale, dst, p.head_dim, Dp);
+    case DType::Half: return load_row(static_cast<const c10::Half*>(src), p.scale, dst, p.head_dim, Dp);
+  }
+}
+
+inline void store_out_row(const AttentionParams& p, const float* src, float mul, int64_t offset) {
+  switch (p.q_dtype) {
+    case DType::Float: return store_row(src, mul, static_cast<float*>(p.out) + offset, p.head_dim);
+    case DType::BFloat16: return store_row(src, mul, static_cast<c10::BFloat16*>(p.out) + offset, p.head_dim);
+    case DType::Half: return store_row(src, mul, static_cast<c10::Half*>(p.out) + offset, p.head_dim);
+  }
+}
+
+// a[0, Dp) . b[0, Dp), Dp a multiple of W; two accumulators to hide the FMA latency.
+inline float dot(const float* a, const float* b, int64_t Dp) {
+  Vec acc0(0.f), acc1(0.f);
+  int64_t c = 0;
+  for (; c + 2 * W <= Dp; c += 2 * W) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + c), Vec::loadu(b + c), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + c + W), Vec::loadu(b + c + W), acc1);
+  }
+  if (c < Dp) acc0 = at::vec::fmadd(Vec::loadu(a + c), Vec::loadu(b + c), acc0);
+  return reduce_add(acc0 + acc1);
+}
+
+// sr[t] = qr . K[t] for t < n, with the query row held in registers across the keys (ND = Dp / W).
+template <int ND>
+inline void scores_row(const float* qr, const float* K, int64_t stride, int64_t n, float* sr) {
+  Vec q[ND];
+  for (int k = 0; k < ND; ++k) q[k] = Vec::loadu(qr + k * W);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* kr = K + t * stride;
+    Vec acc0 = q[0] * Vec::loadu(kr);
+    Vec acc1(0.f);
+    for (int k = 1; k + 1 < ND; k += 2) {
+      acc1 = at::vec::fmadd(q[k], Vec::loadu(kr + k * W), acc1);
+      acc0 = at::vec::fmadd(q[k + 1], Vec::loadu(kr + (k + 1) * W), acc0);
+    }
+    if (ND % 2 == 0) acc1 = at::vec::fmadd(q[ND - 1], Vec::loadu(kr + (ND - 1) * W), acc1);
+    sr[t] = reduce_add(acc0 + acc1);
+  }
+}
+
+inline void scores(const float* qr, const float* K, int64_t stride, int64_t n, float* sr, int64_t Dp) {
+  switch (Dp / W) {
+    case 1: return scores_row<1>(qr, K, stride, n, sr);
+    case 2: return scores_row<2>(qr, K, stride, n, sr);
+    case 3: return scores_row<3>(qr, K, stride, n, sr);
+    case 4: return scores_row<4>(qr, K, stride, n, sr);
+    case 5: return scores_row<5>(qr, K, stride, n, sr);
+    case 6: return scores_row<6>(qr, K, stride, n, sr);
+    case 8: return scores_row<8>(qr, K, stride, n, sr);
+    case 10: return scores_row<10>(qr, K, stride, n, sr);
+    case 12: return scores_row<12>(qr, K, stride, n, sr);
+    case 16: return scores_row<16>(qr, K, stride, n, sr);
+    default:
+      for (int64_t t = 0; t < n; ++t) sr[t] = dot(qr, K + t * stride, Dp);
+  }
+}
+
+// o[0, NV * W) = o * corr + sum_{t < n} p[t] * V[t][0, NV * W): the accumulator stays in registers.
+template <int NV>
+inline void pv_chunk(float* o, float corr, const float* p, const float* V, int64_t vstride, int64_t n) {
+  Vec acc[NV];
+  const Vec vc(corr);
+  for (int k = 0; k < NV; ++k) acc[k] = Vec::loadu(o + k * W) * vc;
+  for (int64_t t = 0; t < n; ++t) {
+    const Vec pt(p[t]);
+    const float* vr = V + t * vstride;
+    for (int k = 0; k < NV; ++k) acc[k] = at::vec::fmadd(pt, Vec::loadu(vr + k * W), acc[k]);
+  }
+  for (int k = 0; k < NV; ++k) acc[k].store(o + k * W);
+}
+
+inline void pv(float* o, float corr, const float* p, const float* V, int64_t vstride, int64_t n, int64_t Dp) {
+  int64_t c = 0;
+  for (; c + 8 * W <= Dp; c += 8 * W) pv_chunk<8>(o + c, corr, p, V + c, vstride, n);
+  switch ((Dp - c) / W) {
+    case 1: return pv_chunk<1>(o + c, corr, p, V + c, vstride, n);
+    case 2: return pv_chunk<2>(o + c, corr, p, V + c, vstride, n);
+    case 3: return pv_chunk<3>(o + c, corr, p, V + c, vstride, n);
+    case 4: return pv_chunk<4>(o + c, corr, p, V + c, vstride, n);
+    case 5: return pv_chunk<5>(o + c, corr, p, V + c, vstride, n);
+    case 6: return pv_chunk<6>(o + c, corr, p, V + c, vstride, n);
+    case 7: return pv_chunk<7>(o + c, corr, p, V + c, vstride, n);
+    default: return;
+  }
+}
+
+// Two rows at once: each V load feeds both rows' accumulators (4 vectors of D per row at a time).
+template <int NV>
+inline void pv2_chunk(float* o0, float* o1, float c0, float c1, const float* p0, const float* p1, const float* V,
+                      int64_t vstride, int64_t n) {
+  Vec a0[NV], a1[NV];
+  const Vec vc0(c0), vc1(c1);
+  for (int k = 0; k < NV; ++k) {
+    a0[k] = Vec::loadu(o0 + k * W) * vc0;
+    a1[k] = Vec::loadu(o1 + k * W) * vc1;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const Vec b0(p0[t]), b1(p1[t]);
+    const float* vr = V + t * vstride;
+    for (int k = 0; k < NV; ++k) {
+      const Vec v = Vec::loadu(vr + k * W);
+      a0[k] = at::vec::fmadd(b0, v, a0[k]);
+      a1[k] = at::vec::fmadd(b1, v, a1[k]);
+    }
+  }
+  for (int k = 0; k < NV; ++k) {
+    a0[k].store(o0 + k * W);
+    a1[k].store(o1 + k * W);
+  }
+}
+
+inline void pv2(float* o0, float* o1, float c0, float c1, const float* p0, const float* p1, const float* V,
+                int64_t vstride, int64_t n, int64_t Dp) {
+  int64_t c = 0;
+  for (; c + 4 * W <= Dp; c += 4 * W) pv2_chunk<4>(o0 + c, o1 + c, c0, c1, p0, p1, V + c, vstride, n);
+  switch ((Dp - c) / W) {
+    case 1: return pv2_chunk<1>(o0 + c, o1 + c, c0, c1, p0, p1, V + c, vstride, n);
+    case 2: return pv2_chunk<2>(o0 + c, o1 + c, c0, c1, p0, p1, V + c, vstride, n);
+    case 3: return pv2_chunk<3>(o0 + c, o1 + c, c0, c1, p0, p1, V + c, vstride, n);
+    default: return;
+  }
+}
+
+// A K page transposed to kt[d][t] (float, Bp columns, zero past the page's n keys), so that the
+// scores of many query rows are broadcast-FMAs over keys with no horizontal sums.
+template <typename T>
+inline void load_transposed(const T* kp, int64_t stride, int64_t n, int64_t D, int64_t Bp, float* kt) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = kp + t * stride;
+    for (int64_t d = 0; d < D; ++d) kt[d * Bp + t] = static_cast<float>(row[d]);
+  }
+  if (n < Bp) {
+    for (int64_t d = 0; d < D; ++d) std::fill(kt + d * Bp + n, kt + (d + 1) * Bp, 0.f);
+  }
+}
+
+// s{0,1}[0, NV * W) = q{0,1} . kt[:, 0, NV * W): two query rows against NV vectors of keys.
+template <int NV, int R>
+inline void scores_kt_chunk(const float* q0, const float* q1, const float* kt, int64_t Bp, int64_t D, float* s0,
+                            float* s1) {
+  Vec a0[NV], a1[NV];
+  for (int k = 0; k < NV; ++k) a0[k] = a1[k] = Vec(0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    const Vec b0(q0[d]);
+    const Vec b1(R == 2 ? q1[d] : 0.f);
+    const float* kr = kt + d * Bp;
+    for (int k = 0; k < NV; ++k) {
+      const Vec kv = Vec::loadu(kr + k * W);
+      a0[k] = at::vec::fmadd(b0, kv, a0[k]);
+      if (R == 2) a1[k] = at::vec::fmadd(b1, kv, a1[k]);
+    }
+  }
+  for (int k = 0; k < NV; ++k) {
+    a0[k].store(s0 + k * W);
+    if (R == 2) a1[k].store(s1 + k * W);
+  }
+}
+
+template <int NV>
+inline void scores_kt_rows(const float* qf, int64_t Dp, int64_t r0, int64_t r1, const float* kt, int64_t Bp,
+                           int64_t D, float* s, int64_t c) {
+  int64_t r = r0;
+  for (; r + 1 < r1; r += 2) {
+    scores_kt_chunk<NV, 2>(qf + r * Dp, qf + (r + 1) * Dp, kt + c, Bp, D, s + r * Bp + c, s + (r + 1) * Bp + c);
+  }
+  if (r < r1) scores_kt_chunk<NV, 1>(qf + r * Dp, nullptr, kt + c, Bp, D, s + r * Bp + c, nullptr);
+}
+
+// s[r][0, Bp) for rows r0 .. r1 (all Bp keys; the caller masks).
+inline void scores_kt(const float* qf, int64_t Dp, int64_t r0, int64_t r1, const float* kt, int64_t Bp, int64_t D,
+                      float* s) {
+  for (int64_t c = 0; c < Bp; c += 4 * W) {
+    switch (std::min<int64_t>(4, (Bp - c) / W)) {
+      case 1: scores_kt_rows<1>(qf, Dp, r0, r1, kt, Bp, D, s, c); break;
+      case 2: scores_kt_rows<2>(qf, Dp, r0, r1, kt, Bp, D, s, c); break;
+      case 3: scores_kt_rows<3>(qf, Dp, r0, r1, kt, Bp, D, s, c); break;
+      default: scores_kt_rows<4>(qf, Dp, r0, r1, kt, Bp, D, s, c); break;
+    }
+  }
+}
+
+// Asks for a page's rows of one KV head ahead of use: pages lie anywhere in the pool, so the
+// hardware prefetchers cannot run ahead across them while the current page is being computed on.
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t stride, int64_t n, int64_t D) {
+#if defined(__GNUC__) || defined(__clang__)
+  constexpr int64_t kLine = 64;
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < n; ++t) {
+    const char* row = reinterpret_cast<const char*>(base + t * stride);
+    for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(row + off, 0, 2);
+  }
+#endif
+}
+
+// Running state of one KV head's query rows (rows of them): see attend_impl.
+struct HeadRows {
+  const float* q;  // [rows][Dp] queries times scale; row r = j * G + g
+  float* o;        // [rows][Dp] unnormalized outputs
+  float* m;        // [rows] running max of the scores
+  float* l;        // [rows] running sum of exp(score - m)
+  float* corr;     // [rows] this page's correction exp(m_old - m_new)
+};
+
+// One page (keys start .. start + n) of one KV head against that head's query rows.
+template <typename T>
+void attend_page(const AttentionParams& p, const WorkItem& it, const HeadRows& h, int64_t rows, const T* kp,
+                 const T* vp, int64_t start, int64_t n, float* s, float* kf, float* vf, float* kt) {
+  const int64_t G = p.num_heads / p.num_kv_heads, D = p.head_dim;
+  const int64_t Dp = round_up(D, W), Bp = round_up(p.block_size, W);
+  // Query j sees this page's keys start .. first_pos + j: queries before j0 see none of them.
+  const int64_t r0 = std::max<int64_t>(0, start - it.first_pos) * G;
+  auto visible = [&](int64_t r) { return std::min(n, it.first_pos + r / G - start + 1); };
+  // Many rows (a context tile): transpose the K page once and broadcast-FMA over keys; a few rows
+  // (a generation token's GQA group): dot products against the K rows.
+  const bool tiled = rows - r0 >= kTiledRows;
+  // A float cache whose rows are whole vectors is read straight from the pool.
+  const bool direct = std::is_same_v<T, float> && D == Dp;
+  const float *K = kf, *V = vf;
+  int64_t stride = Dp;
+  if (direct) {
+    K = reinterpret_cast<const float*>(kp);
+    V = reinterpret_cast<const float*>(vp);
+    stride = p.token_stride;
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      if (!tiled) load_row(kp + t * p.token_stride, 1.f, kf + t * Dp, D, Dp);
+      load_row(vp + t * p.token_stride, 1.f, vf + t * Dp, D, Dp);
+    }
+  }
+  if (tiled) {
+    load_transposed(kp, p.token_stride, n, D, Bp, kt);
+    scores_kt(h.q, Dp, r0, rows, kt, Bp, D, s);
+  } else {
+    for (int64_t r = r0; r < rows; ++r) scores(h.q + r * Dp, K, stride, visible(r), s + r * Bp, Dp);
+  }
+  // Online softmax per row; probabilities of the keys a row does not see are 0.
+  for (int64_t r = r0; r < rows; ++r) {
+    float* sr = s + r * Bp;
+    std::fill(sr + visible(r), sr + Bp, kNegInf);
+    Vec mx(kNegInf);
+    for (int64_t t = 0; t < Bp; t += W) mx = at::vec::maximum(mx, Vec::loadu(sr + t));
+    const float m_new = std::max(h.m[r], reduce_max(mx));
+    h.corr[r] = std::exp(h.m[r] - m_new);  // 0 on the first page (m = -inf)
+    const Vec vm(m_new);
+    Vec sum(0.f);
+    for (int64_t t = 0; t < Bp; t += W) {
+      const Vec e = (Vec::loadu(sr + t) - vm).exp_u20();  // ATen's softmax exp (20 ULP)
+      e.store(sr + t);
+      sum = sum + e;
+    }
+    h.l[r] = h.l[r] * h.corr[r] + reduce_add(sum);
+    h.m[r] = m_new;
+  }
+  // o = o * corr + p V, two rows per pass over the V page (row r + 1 sees at least row r's keys).
+  int64_t r = r0;
+  for (; r + 1 < rows; r += 2) {
+    pv2(h.o + r * Dp, h.o + (r + 1) * Dp, h.corr[r], h.corr[r + 1], s + r * Bp, s + (r + 1) * Bp, V, stride,
+        visible(r + 1), Dp);
+  }
+  if (r < rows) pv(h.o + r * Dp, h.corr[r], s + r * Bp, V, stride, visible(r), Dp);
+}
+
+// Query rows: n_q tokens x G heads per KV head, for KV heads kv_head_begin .. kv_head_end. Every
+// page of the item's key range is read once, all its KV heads together (whole cache lines, in
+// order, which the hardware prefetchers follow), and attended by each head's rows in turn.
+template <typename T>
+void attend_impl(const AttentionParams& p, const WorkItem& it, float* scratch) {
+  const int64_t G = p.num_heads / p.num_kv_heads, D = p.head_dim, bs = p.block_size;
+  const int64_t Dp = round_up(D, W), Bp = round_up(bs, W);
+  const int64_t heads = it.kv_head_end - it.kv_head_begin, rows = it.n_q * G, all = heads * rows;
+  float* qf = scratch;       // [all][Dp], head-major: row kh * rows + j * G + g
+  float* o = qf + all * Dp;  // [all][Dp]
+  float* m = o + all * Dp;   // [all]
+  float* l = m + all;        // [all]
+  float* cr = l + all;       // [all]
+  float* s = cr + all;       // [rows][Bp] one page's scores, then probabilities, of one head
+  float* kf = s + rows * Bp; // [bs][Dp] a K page of one head widened to float (when not read directly)
+  float* vf = kf + bs * Dp;  // [bs][Dp] the V page
+  float* kt = vf + bs * Dp;  // [D][Bp] the K page transposed (context tiles)
+
+  for (int64_t kh = 0; kh < heads; ++kh) {
+    for (int64_t j = 0; j < it.n_q; ++j) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t head = (it.kv_head_begin + kh) * G + g;
+        const int64_t elem = it.tokens[j] * p.q_token_stride + head * p.q_head_stride;
+        const void* row = static_cast<const char*>(p.q) + elem * (p.q_dtype == DType::Float ? 4 : 2);
+        load_q_row(p, row, qf + (kh * rows + j * G + g) * Dp, Dp);
+      }
+    }
+  }
+  std::fill(o, o + all * Dp, 0.f);
+  std::fill(m, m + all, kNegInf);
+  std::fill(l, l + all, 0.f);
+
+  const T* k_base = static_cast<const T*>(p.k);
+  const T* v_base = static_cast<const T*>(p.v);
+  for (int64_t b = it.key_begin / bs; b * bs < it.key_end; ++b) {
+    const int64_t start = b * bs, n = std::min(bs, it.key_end - start);
+    for (int64_t kh = 0; kh < heads; ++kh) {
+      if (start + bs < it.key_end) {  // this head's rows of the next page, while this one computes
+        const int64_t next = it.block_table[b + 1] * p.block_stride + (it.kv_head_begin + kh) * p.head_stride;
+        const int64_t n_next = std::min(bs, it.key_end - start - bs);
+        prefetch_rows(k_base + next, p.token_stride, n_next, D);
+        prefetch_rows(v_base + next, p.token_stride, n_next, D);
+      }
+      const int64_t offset = it.block_table[b] * p.block_stride + (it.kv_head_begin + kh) * p.head_stride;
+      const HeadRows h{qf + kh * rows * Dp, o + kh * rows * Dp, m + kh * rows, l + kh * rows, cr + kh * rows};
+      attend_page(p, it, h, rows, k_base + offset, v_base + offset, start, n, s, kf, vf, kt);
+    }
+  }
+
+  for (int64_t kh = 0; kh < heads; ++kh) {
+    for (int64_t j = 0; j < it.n_q; ++j) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = kh * rows + j * G + g, head = (it.kv_head_begin + kh) * G + g;
+        if (it.partial != nullptr) {  // one partition of the keys: the combine pass normalizes
+          float* dst = it.partial + (j * p.num_heads + head) * (D + 2);
+          std::copy(o + r * Dp, o + r * Dp + D, dst);
+          dst[D] = m[r];
+          dst[D + 1] = l[r];
+        } else {  // every query sees key 0, so l >= 1
+          store_out_row(p, o + r * Dp, 1.f / l[r], (it.tokens[j] * p.num_heads + head) * D);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int64_t scratch_size(const AttentionParams& p, int64_t n_q, int64_t kv_heads) {
+  const int64_t rows = n_q * (p.num_heads / p.num_kv_heads), all = rows * kv_heads;
+  const int64_t Dp = round_up(p.head_dim, W), Bp = round_up(p.block_size, W);
+  return all * (2 * Dp + 3) + rows * Bp + 2 * p.block_size * Dp + p.head_dim * Bp;
+}
+
+void attend(const AttentionParams& p, const WorkItem& item, float* scratch) {
+  switch (p.kv_dtype) {
+    case DType::Float: return attend_impl<float>(p, item, scratch);
+    case DType::BFloat16: return attend_impl<c10::BFloat16>(p, item, scratch);
+    case DType::Half: return attend_impl<c10::Half>(p, item, scratch);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace kiln

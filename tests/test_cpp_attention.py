@@ -1,0 +1,316 @@
+"""The C++ paged-attention plugin (torch.ops.kiln_cpp.paged_attention, kiln/plugins/csrc) held to the
+plain-torch reference (the spec), traced by torch.export, compiled into AOTInductor packages that run
+without the Python that defined kiln's ops, and end to end in an engine against inline attention.
+
+The library is built on first use into the cache (kiln/plugins/cpp.py); the first test pays for it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+import zlib
+
+import pytest
+import torch
+from torch.export import Dim
+
+from kiln import LLM, SamplingParams
+from kiln.plugins import cpp, reference
+from test_plugins import BF16_TOL, F32_TOL, HEADS, STEPS, _args, _dense_attention, _make_step
+from tiny_models import PROMPTS
+
+NAMES = ("q", "kv_cache", "layer", "ctx_token_index", "ctx_block_tables", "ctx_context_lens", "gen_token_index",
+         "gen_block_tables", "gen_context_lens", "scale")
+
+
+@pytest.fixture(scope="module")
+def op():
+    return cpp.paged_attention_op()
+
+
+def _step(step, block_size, heads, head_dim, **kw):
+    kv_heads, num_heads = HEADS[heads]
+    seed = zlib.crc32(f"cpp/{step}/{block_size}/{heads}/{head_dim}".encode())
+    return _make_step(STEPS[step], layers=2, kv_heads=kv_heads, heads=num_heads, head_dim=head_dim,
+                      block_size=block_size, seed=seed, extra_q_pad=3, extra_block_pad=2, **kw)
+
+
+def _check(actual, expected, dtype, msg):
+    assert actual.dtype == dtype and actual.shape == expected.shape, msg
+    tol = F32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(actual.float(), expected.float(), **tol, msg=lambda m: f"{msg}: {m}")
+
+
+# STEPS (tests/test_plugins.py) hold context lengths 1, 17, 33, 128, 129 and 1000, prefill chunks that
+# start past cached tokens (q_len < context_len) and chunks longer than one work tile, mixed with
+# decodes in one flat batch, plus steps with no generation (Sg = 0) and no context requests (Sc = 0).
+@pytest.mark.parametrize("heads", HEADS, ids=list(HEADS))  # MHA, GQA 3, GQA 8, MQA
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("step", STEPS, ids=list(STEPS))
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_matches_reference(op, step, block_size, heads, head_dim):
+    inputs, seqs = _step(step, block_size, heads, head_dim)
+    args = _args(inputs)
+    expected = reference.paged_attention(*args)
+    cache_before = inputs["kv_cache"].clone()
+    _check(op(*args), expected, torch.float32, "float32")
+    assert torch.equal(inputs["kv_cache"], cache_before)  # attention only reads the cache
+    if head_dim == 16:  # the reference against an oracle that knows nothing of pages (as in test_plugins)
+        torch.testing.assert_close(expected, _dense_attention(inputs["q"], seqs, inputs["scale"]), **F32_TOL)
+
+    # bfloat16 q and cache, against the float32 reference on the same rounded values.
+    q16, cache16 = inputs["q"].bfloat16(), inputs["kv_cache"].bfloat16()
+    expected16 = reference.paged_attention(q16.float(), cache16.float(), *args[2:])
+    _check(op(q16, cache16, *args[2:]), expected16, torch.bfloat16, "bfloat16")
+
+
+@pytest.mark.parametrize("head_dim", [8, 12, 40, 72])  # tails of the 8-wide (AVX2) / 16-wide (AVX-512) vectors
+def test_head_dims_off_the_vector_width(op, head_dim):
+    inputs, _ = _step("mixed", 16, "gqa3", head_dim)
+    args = _args(inputs)
+    _check(op(*args), reference.paged_attention(*args), torch.float32, f"head_dim {head_dim}")
+
+
+def test_float16_and_mixed_dtypes(op):
+    inputs, _ = _step("mixed", 32, "gqa3", 64)
+    args = _args(inputs)
+    q, cache = inputs["q"], inputs["kv_cache"]
+    q16, cache16 = q.half(), cache.half()
+    expected = reference.paged_attention(q16.float(), cache16.float(), *args[2:])
+    _check(op(q16, cache16, *args[2:]), expected, torch.float16, "float16")
+    # A float32 q over a bf16 cache (a cache kept narrower than the model): output in q's dtype.
+    cache_bf16 = cache.bfloat16()
+    expected = reference.paged_attention(q, cache_bf16.float(), *args[2:])
+    _check(op(q, cache_bf16, *args[2:]), expected, torch.float32, "float32 q, bfloat16 cache")
+
+
+def test_strided_q_untouched_tokens_and_int64_metadata(op):
+    """q as the model produces it (a view into the fused QKV projection), tokens that belong to no
+    request (left zero), and int64 tables/lengths (converted, not rejected)."""
+    inputs, _ = _step("mixed", 16, "gqa3", 16)
+    q = inputs["q"]
+    T, H, D = q.shape
+    qkv = torch.randn(T + 2, (H + 4) * D)
+    qkv[:T, : H * D] = q.flatten(1)
+    strided = qkv[:, : H * D].view(T + 2, H, D)  # rows T, T+1: in neither phase
+    assert not strided.is_contiguous()
+    args = list(_args({**inputs, "q": strided}))
+    for i in (4, 5, 7, 8):
+        args[i] = args[i].long()
+    out = op(*args)
+    expected = reference.paged_attention(*args)
+    _check(out, expected, torch.float32, "strided q")
+    assert out.is_contiguous() and torch.equal(out[T:], torch.zeros(2, H, D))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_decodes_split_over_threads(op, threads, dtype):
+    """A decode batch too small to keep the threads busy splits its long sequences into partitions
+    of pages (flash-decoding) and combines them: the same result as one pass, and repeatable."""
+    inputs, _ = _make_step([("gen", 2500, 1), ("gen", 1100, 1), ("gen", 40, 1)], layers=1, kv_heads=2, heads=6,
+                           head_dim=64, block_size=16, seed=threads)
+    args = list(_args(inputs))
+    args[0], args[1] = args[0].to(dtype), args[1].to(dtype)
+    expected = reference.paged_attention(args[0].float(), args[1].float(), *args[2:])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = op(*args)
+        assert torch.equal(op(*args), out)  # dynamic scheduling never changes a row's arithmetic
+    finally:
+        torch.set_num_threads(before)
+    _check(out, expected, dtype, f"{threads} threads")
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(layer=2), "layer 2 is outside the cache's 2 layers"),
+    (dict(gen_block_tables=lambda t: t.fill_(-1)), "outside the pool's"),
+    (dict(gen_context_lens=lambda t: t.fill_(0)), "expected >= 1"),
+    (dict(ctx_context_lens=lambda t: t.fill_(1)), "new tokens but context length"),
+    (dict(ctx_token_index=lambda t: t.fill_(1000)), "is outside the step's"),
+    (dict(gen_context_lens=lambda t: t.fill_(10 ** 6)), "but its block table has"),
+    (dict(q=lambda t: t[:, :5]), "must be a multiple of kv_heads"),
+    (dict(q=lambda t: t.double()), "q must be float32, bfloat16 or float16"),
+])
+def test_bad_steps_raise(op, bad, message):
+    inputs, _ = _step("mixed", 16, "gqa3", 16)
+    inputs = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in inputs.items()}
+    for k, change in bad.items():
+        inputs[k] = change(inputs[k]) if callable(change) else change
+    with pytest.raises(RuntimeError, match=message):
+        op(*_args(inputs))
+
+
+def test_opcheck(op):
+    inputs, _ = _make_step([("ctx", 9, 3), ("gen", 6, 1), ("ctx", 2, 2)], layers=2, kv_heads=2, heads=4,
+                           head_dim=8, block_size=4, seed=7)
+    torch.library.opcheck(op, _args(inputs))
+    assert torch.Tag.pt2_compliant_tag in op.default.tags
+
+
+def test_default_kernel(tmp_path):
+    """The portable build of the kernel (what CPUs without AVX2 run), forced as ATen's own is."""
+    script = textwrap.dedent("""
+        import torch
+        from kiln.plugins import cpp, reference
+        from test_plugins import _make_step, _args, STEPS
+        op = cpp.paged_attention_op()
+        assert cpp.kernel_capability() == "DEFAULT", cpp.kernel_capability()
+        for kv_heads, heads, head_dim, bs in [(2, 6, 16, 16), (1, 8, 12, 32), (2, 2, 64, 16)]:
+            for dtype in (torch.float32, torch.bfloat16):
+                inputs, _ = _make_step(STEPS["mixed"], layers=2, kv_heads=kv_heads, heads=heads, head_dim=head_dim,
+                                       block_size=bs, seed=3)
+                args = list(_args(inputs))
+                args[0], args[1] = args[0].to(dtype), args[1].to(dtype)
+                expected = reference.paged_attention(args[0].float(), args[1].float(), *args[2:])
+                tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
+                torch.testing.assert_close(op(*args).float(), expected, **tol)
+        print("ok")
+    """)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_missing_compiler_is_a_clear_error(tmp_path):
+    """A machine that has never built the library and has no compiler: one line saying so."""
+    env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path), "CXX": "no-such-c++-compiler"}
+    script = "from kiln.plugins import cpp\ncpp.load()"
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("kiln.plugins.cpp.PluginBuildError:") and "'no-such-c++-compiler' is not on PATH" in last
+
+
+# --------------------------------------------------------------------------- export and AOTInductor
+
+
+class _Attention(torch.nn.Module):
+    """The op between two traced ops, as a model calls it."""
+
+    def forward(self, q, kv_cache, ctx_token_index, ctx_block_tables, ctx_context_lens, gen_token_index,
+                gen_block_tables, gen_context_lens):
+        out = torch.ops.kiln_cpp.paged_attention(q * 2, kv_cache, 1, ctx_token_index, ctx_block_tables,
+                                                 ctx_context_lens, gen_token_index, gen_block_tables,
+                                                 gen_context_lens, 0.125)
+        return out + 1
+
+
+def _tiny_step(requests, seed):
+    inputs, _ = _make_step(requests, layers=2, kv_heads=2, heads=4, head_dim=16, block_size=4, seed=seed)
+    return {k: v for k, v in inputs.items() if k not in ("layer", "scale")}
+
+
+def _tiny_expected(step):
+    return reference.paged_attention(step["q"] * 2, step["kv_cache"], 1, *(step[k] for k in NAMES[3:9]), 0.125) + 1
+
+
+def _export_tiny():
+    example = _tiny_step([("ctx", 9, 3), ("gen", 6, 1), ("ctx", 7, 4), ("gen", 20, 1), ("gen", 3, 1)], seed=11)
+    T, Q = Dim("T", min=1, max=64), Dim("Q", min=1, max=64)
+    Sc, Sg = Dim("Sc", min=0, max=8), Dim("Sg", min=0, max=8)
+    MBc, MBg, NB = Dim("MBc", min=1, max=16), Dim("MBg", min=1, max=16), Dim("NB", min=2, max=1 << 20)
+    shapes = dict(q={0: T}, kv_cache={2: NB}, ctx_token_index={0: Sc, 1: Q}, ctx_block_tables={0: Sc, 1: MBc},
+                  ctx_context_lens={0: Sc}, gen_token_index={0: Sg}, gen_block_tables={0: Sg, 1: MBg},
+                  gen_context_lens={0: Sg})
+    return torch.export.export(_Attention(), (), example, dynamic_shapes=shapes, strict=False)
+
+
+# Other sizes than the example's, and steps without one of the phases.
+OTHER_STEPS = [[("gen", 13, 1), ("ctx", 30, 30), ("gen", 1, 1)], [("ctx", 5, 2)], [("gen", 40, 1), ("gen", 2, 1)]]
+
+
+def test_export_with_dynamic_shapes(op):
+    program = _export_tiny()
+    targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert torch.ops.kiln_cpp.paged_attention.default in targets
+    module = program.module()
+    for i, requests in enumerate(OTHER_STEPS):
+        step = _tiny_step(requests, seed=20 + i)
+        torch.testing.assert_close(module(**step), _tiny_expected(step), **F32_TOL)
+
+
+@pytest.fixture(scope="module")
+def tiny_package(op, tmp_path_factory):
+    path = tmp_path_factory.mktemp("aoti") / "tiny.pt2"
+    torch._inductor.aoti_compile_and_package(_export_tiny(), package_path=str(path))
+    return path
+
+
+def test_aoti_package_runs_without_kilns_python(tiny_package, tmp_path):
+    """The package calls the op through the dispatcher: a process that never imports kiln (so no
+    Python defines any op) and only loads the library runs it; without the library it cannot."""
+    from safetensors.torch import save_file
+
+    steps = {f"{i}.{k}": v.contiguous() for i, r in enumerate(OTHER_STEPS) for k, v in _tiny_step(r, 30 + i).items()}
+    save_file(steps, tmp_path / "steps.safetensors")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from safetensors.torch import load_file, save_file
+        if sys.argv[1] == "with-library":
+            torch.ops.load_library({str(cpp.library_path())!r})
+        runner = torch._inductor.aoti_load_package({str(tiny_package)!r})
+        steps = load_file({str(tmp_path / "steps.safetensors")!r})
+        out = {{}}
+        for i in range({len(OTHER_STEPS)}):
+            out[str(i)] = runner(**{{k.split(".", 1)[1]: v for k, v in steps.items() if k.startswith(f"{{i}}.")}})
+        assert not any(m == "kiln" or m.startswith("kiln.") for m in sys.modules)
+        save_file(out, {str(tmp_path / "out.safetensors")!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, "with-library"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    out = load_file(tmp_path / "out.safetensors")
+    for i, requests in enumerate(OTHER_STEPS):
+        torch.testing.assert_close(out[str(i)], _tiny_expected(_tiny_step(requests, 30 + i)), **F32_TOL)
+
+    proc = subprocess.run([sys.executable, "-c", script, "without"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "kiln_cpp" in proc.stderr
+
+
+# --------------------------------------------------------------------------- end to end
+
+CPP_PLUGINS = {"gpt_attention_plugin": "cpp", "rmsnorm_plugin": None, "rope_plugin": None, "swiglu_plugin": None}
+NEW_TOKENS = 24
+
+
+@pytest.mark.parametrize("backend", ["aoti", "eager"])
+def test_engine_greedy_matches_inline_attention(engine, backend):
+    """The tiny Llama built with the C++ attention plugin generates the inline-attention engine's
+    greedy tokens (GQA, prompts of different lengths batched together, 24 decode steps)."""
+    inline_dir = engine("llama", "aoti")
+    cpp_dir = engine("llama", backend, plugin_config=CPP_PLUGINS)
+    assert json.loads((cpp_dir / "config.json").read_text())["build_config"]["plugin_config"] == CPP_PLUGINS
+    with zipfile.ZipFile(cpp_dir / "rank0.engine") as z:  # the graph calls the C++ op; the inline one does not
+        assert any(b"kiln_cpp::paged_attention" in z.read(n) or b"kiln_cpp.paged_attention" in z.read(n)
+                   for n in z.namelist())
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(inline_dir).generate(PROMPTS, params)]
+    got = [o.outputs[0].token_ids for o in LLM(cpp_dir).generate(PROMPTS, params)]
+    assert all(len(t) == NEW_TOKENS for t in got)
+    assert got == expected
+
+
+def test_cpp_engine_writes_the_pool_in_place(engine):
+    """With the C++ attention reading the pool, the compiled KV write still updates it in place."""
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.model_runner import plan_step
+    from kiln.runtime.scheduler import SchedulerOutput
+    from kiln.runtime.sequence import Request, Sequence
+
+    runner = Engine(engine("llama", "aoti", plugin_config=CPP_PLUGINS), max_tokens_in_paged_kv_cache=256)
+    pool, ptr = runner.kv_cache, runner.kv_cache.data_ptr()
+    req = Request("r", None, list(range(3, 20)), SamplingParams(), 1)
+    seq = Sequence(req, 0, list(req.prompt_token_ids))
+    seq.block_table = [5, 2, 30]  # scattered pages
+    runner(plan_step(SchedulerOutput([(seq, 17)]), 8).inputs)
+    assert runner.kv_cache is pool and pool.data_ptr() == ptr
+    written = pool.abs().sum(dim=(0, 1, 3, 4, 5)) > 0
+    assert written.nonzero().flatten().tolist() == [2, 5, 30]

@@ -6,16 +6,18 @@ import click
 
 from kiln.build.cli import main as build_command
 from kiln.convert.cli import main as convert_command
+from kiln.serve.cli import serve as serve_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kiln-llm")
 def cli():
-    """Kiln: convert a Hugging Face checkpoint, compile it into an engine, and generate from it."""
+    """Kiln: convert a Hugging Face checkpoint, compile it into an engine, generate from it, serve it."""
 
 
 cli.add_command(convert_command, "convert")
 cli.add_command(build_command, "build")
+cli.add_command(serve_command, "serve")
 
 
 @cli.command("eval-ppl")

@@ -34,15 +34,14 @@ class AsyncLLM:
         """Yields a RequestOutput (cumulative text and tokens) each step the request advances.
         Closing the iterator early (or cancelling its task) aborts the request."""
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._locked():
-            if self._stopped:
-                raise RuntimeError("AsyncLLM is shut down")
-            self.llm_engine.add_request(prompt, sampling_params, request_id)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-            self._work.notify()
+        # Adding waits for the step in progress: wait in a worker thread, not on the event loop
+        # (a server adding many requests would otherwise stall every stream for a step each).
+        added = loop.run_in_executor(None, self._add, prompt, sampling_params, request_id, loop, queue)
         finished = False
         try:
+            await asyncio.shield(added)
             while not finished:
                 out = await queue.get()
                 if isinstance(out, BaseException):
@@ -51,7 +50,23 @@ class AsyncLLM:
                 yield out
         finally:
             if not finished:
-                self.abort(request_id)
+                if not added.done():  # cancelled while being added: abort it once it is in
+                    added.add_done_callback(lambda f: f.exception() is None and self.abort(request_id))
+                elif added.exception() is None:  # abort waits for the step in progress: off the loop too
+                    await loop.run_in_executor(None, self.abort, request_id)
+
+    def _add(self, prompt, sampling_params, request_id, loop, queue) -> None:
+        with self._locked():
+            if self._stopped:
+                raise RuntimeError("AsyncLLM is shut down")
+            self.llm_engine.add_request(prompt, sampling_params, request_id)
+            self._streams[request_id] = (loop, queue)
+            self._work.notify()
+
+    def stats(self) -> dict:
+        """A consistent snapshot of the engine's load (LLMEngine.get_stats), taken between steps."""
+        with self._locked():
+            return self.llm_engine.get_stats()
 
     def abort(self, request_id: str) -> None:
         with self._locked():
@@ -62,6 +77,15 @@ class AsyncLLM:
                 except RuntimeError:  # its event loop is closed; nobody is listening
                     pass
             self._streams.pop(request_id, None)
+
+    def abort_all(self) -> list[str]:
+        """Abort every request (e.g. a server's drain ran out of time): each stream ends with
+        finish_reason "abort". Returns the ids aborted."""
+        with self._locked():
+            ids = list(self.llm_engine.requests)
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
 
     def shutdown(self) -> None:
         with self._locked():

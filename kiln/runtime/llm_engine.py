@@ -128,6 +128,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def get_stats(self) -> dict:
+        """Load and KV occupancy now: requests running (any sample scheduled) and waiting, KV blocks."""
+        running = {s.request.request_id for s in self.scheduler.running}
+        waiting = {s.request.request_id for s in self.scheduler.waiting} - running
+        pool = self.kv.pool
+        return dict(num_requests_running=len(running), num_requests_waiting=len(waiting),
+                    num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free,
+                    kv_cache_usage=pool.usage, num_preemptions=self.scheduler.num_preemptions)
+
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

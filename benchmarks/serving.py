@@ -1,0 +1,324 @@
+"""Online serving benchmark, like vLLM's `benchmark_serving`: streams /v1/completions requests at an
+OpenAI-compatible server and reports request and output-token throughput and mean/median/p99 of
+TTFT (time to first token), TPOT (time per output token after the first) and ITL (inter-token
+latency, between streamed chunks).
+
+Requests are synthetic and seeded: ShareGPT-like long-tailed (log-normal) prompt and output lengths,
+prompts cut from Python's standard library source (what the default model was trained on), sent as
+token ids (--text_prompts sends text) with `ignore_eos` so that each request generates its length.
+Load is fixed concurrency (--concurrency, a sweep: one run per value) or a Poisson --request_rate.
+
+  # start `kiln serve` on the engine, sweep concurrency, compare with HF transformers one at a time
+  python benchmarks/serving.py --engine_dir demo_out/engine --concurrency 1 4 16 64 \\
+      --hf_baseline models/kiln-tiny-stdlib --json bench_out/serving.json --plot bench_out/serving.png
+  # any OpenAI-compatible server (vLLM, TensorRT-LLM, Kiln) already running
+  python benchmarks/serving.py --base_url http://127.0.0.1:8000 --tokenizer path/to/hf_dir --request_rate 4
+"""
+import argparse
+import asyncio
+import glob
+import json
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+# ---------------------------------------------------------------------------------- workload
+def make_requests(tokenizer, n: int, input_len: int, output_len: int, max_input: int, max_seq: int,
+                  seed: int) -> list[tuple[list[int], int]]:
+    """n (prompt ids, output length) pairs: log-normal lengths around the given medians (ShareGPT's
+    shape: most requests short, a long tail), clipped to the server's limits."""
+    rng = np.random.default_rng(seed)
+    files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))
+    corpus = tokenizer.encode("\n".join(Path(f).read_text(errors="replace") for f in files[:12]))
+    ins = np.clip(rng.lognormal(np.log(input_len), 0.8, n).astype(int), 4, max_input)
+    outs = rng.lognormal(np.log(output_len), 0.7, n).astype(int)
+    requests = []
+    for i, o in zip(ins, outs):
+        start = int(rng.integers(0, len(corpus) - i))
+        requests.append((corpus[start:start + i], int(np.clip(o, 2, max_seq - i))))
+    return requests
+
+
+# ---------------------------------------------------------------------------------- the client
+async def send(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int) -> Result:
+    r = Result(prompt_len=prompt_len)
+    chunks = 0
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    r.output_len = chunk["usage"]["completion_tokens"]
+                    r.prompt_len = chunk["usage"]["prompt_tokens"]
+                if not any(c.get("text") for c in chunk.get("choices", [])):
+                    continue
+                now = time.perf_counter()
+                chunks += 1
+                if r.ttft == 0.0:
+                    r.ttft = now - start
+                else:
+                    r.itl.append(now - last)
+                last = now
+        r.latency = time.perf_counter() - start
+        r.output_len = r.output_len or chunks  # a server without stream_options: one chunk per token
+        r.ok = r.output_len > 0
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+async def run_load(base_url: str, model: str, requests, concurrency: int | None, rate: float,
+                   api_key: str | None, text_prompts: bool, tokenizer, seed: int) -> tuple[list[Result], float]:
+    url = f"{base_url}/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency or len(requests), max_keepalive_connections=concurrency)
+    gate = asyncio.Semaphore(concurrency or len(requests))
+    rng = np.random.default_rng(seed)
+
+    def body(ids, out):
+        prompt = tokenizer.decode(ids) if text_prompts else ids
+        return {"model": model, "prompt": prompt, "max_tokens": out, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(600)) as client:
+        async def one(ids, out):
+            async with gate:
+                return await send(client, url, body(ids, out), len(ids))
+
+        await one(*requests[0])  # warm-up: connections, first-step costs
+        start = time.perf_counter()
+        tasks = []
+        for ids, out in requests:
+            tasks.append(asyncio.create_task(one(ids, out)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------ HF baseline
+def run_hf(hf_dir: str, dtype: str, requests, threads: int | None) -> tuple[list[Result], float]:
+    """The same requests one at a time through HF transformers' generate (greedy, exact lengths)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):  # first call: the prompt; then one call per new token
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def generate(ids, out) -> Result:
+        clock = Clock()
+        x = torch.tensor([ids])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=out,
+                           min_new_tokens=out, pad_token_id=0, streamer=clock)
+        t = clock.times[1:]
+        return Result(ok=True, prompt_len=len(ids), output_len=out, ttft=t[0] - start,
+                      latency=time.perf_counter() - start, itl=list(np.diff(t)))
+
+    generate(*requests[0])  # warm-up
+    start = time.perf_counter()
+    results = [generate(ids, out) for ids, out in requests]
+    return results, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------- report
+def summarize(results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_len for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    itl = [x for r in ok for x in r.itl]
+    s = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+         "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
+         "total_output_tokens": out_tokens, "errors": sorted({r.error for r in results if r.error})[:5]}
+    for name, xs in (("ttft", [r.ttft for r in ok]), ("tpot", tpot), ("itl", itl),
+                     ("e2el", [r.latency for r in ok])):
+        xs = np.array(xs or [np.nan]) * 1e3
+        s.update({f"mean_{name}_ms": float(np.mean(xs)), f"median_{name}_ms": float(np.median(xs)),
+                  f"p99_{name}_ms": float(np.percentile(xs, 99))})
+    return s
+
+
+def table(runs: list[dict]) -> str:
+    cols = ["load", "req/s", "out tok/s", "TTFT mean/med/p99 ms", "TPOT mean/med/p99 ms", "ITL mean/med/p99 ms"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in runs:
+        trio = [f"{r[f'mean_{m}_ms']:.1f} / {r[f'median_{m}_ms']:.1f} / {r[f'p99_{m}_ms']:.1f}"
+                for m in ("ttft", "tpot", "itl")]
+        fail = f" ({r['failed']} failed)" if r["failed"] else ""
+        lines.append(f"| {r['label']}{fail} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
+                     + " | ".join(trio) + " |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], hf: dict | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = [r for r in runs if r.get("concurrency")]
+    if not sweep:
+        return
+    x = [r["concurrency"] for r in sweep]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(x, [r["output_throughput"] for r in sweep], "o-", label="kiln serve")
+    if hf:
+        a.axhline(hf["output_throughput"], color="gray", ls="--", label="HF transformers, one at a time")
+    a.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="Throughput")
+    a.set_xticks(x, [str(c) for c in x])
+    for key, style in (("median_ttft_ms", "o-"), ("p99_ttft_ms", "o:"), ("median_tpot_ms", "s-"),
+                       ("p99_itl_ms", "s:")):
+        b.plot(x, [r[key] for r in sweep], style, label=key.replace("_ms", "").replace("_", " "))
+    b.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="ms", title="Latency")
+    b.set_xticks(x, [str(c) for c in x])
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+# ---------------------------------------------------------------------------------- server
+def start_server(engine_dir: str, threads: int | None, log: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(Path(sys.executable).parent / "kiln"), "serve", "--engine_dir", engine_dir, "--host", "127.0.0.1",
+           "--port", str(port), "--no_access_log"] + (["--threads", str(threads)] if threads else [])
+    log.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"kiln serve exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    sys.exit(f"kiln serve did not become healthy in 600 s; see {log}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--base_url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    where.add_argument("--engine_dir", help="start `kiln serve` on this engine (and stop it afterwards)")
+    ap.add_argument("--model", help="model name to send (default: the server's first in /v1/models)")
+    ap.add_argument("--api_key")
+    ap.add_argument("--tokenizer", help="HF tokenizer dir (default: the engine dir)")
+    ap.add_argument("--num_prompts", type=int, default=200, help="requests per run (at least 2 x concurrency)")
+    ap.add_argument("--input_len", type=int, default=96, help="median prompt length (log-normal)")
+    ap.add_argument("--output_len", type=int, default=128, help="median output length (log-normal)")
+    ap.add_argument("--max_input_len", type=int, help="longest prompt (default: the engine's, or half the "
+                    "server's max_model_len)")
+    ap.add_argument("--concurrency", type=int, nargs="+", help="fixed-concurrency runs (a sweep)")
+    ap.add_argument("--request_rate", type=float, default=float("inf"), help="Poisson arrivals per second "
+                    "(with no --concurrency: one run at this rate)")
+    ap.add_argument("--text_prompts", action="store_true", help="send text, not token ids")
+    ap.add_argument("--hf_baseline", help="HF model dir: also run the requests one at a time through HF")
+    ap.add_argument("--hf_dtype", default=None, help="default: the engine's dtype, else float32")
+    ap.add_argument("--hf_num_prompts", type=int, default=None, help="requests for the HF run (default: all)")
+    ap.add_argument("--threads", type=int, help="torch threads of the server (and of HF)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    proc, base_url, build = None, args.base_url, {}
+    if args.engine_dir:
+        build = json.loads((Path(args.engine_dir) / "config.json").read_text())
+        proc, base_url = start_server(args.engine_dir, args.threads, Path("bench_out/serving_server.log"))
+    try:
+        models = httpx.get(f"{base_url}/v1/models", timeout=30,
+                           headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}).json()
+        model = args.model or models["data"][0]["id"]
+        max_seq = models["data"][0].get("max_model_len") or 2048
+        max_input = args.max_input_len or build.get("build_config", {}).get("max_input_len") or max_seq // 2
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.engine_dir)
+        runs = []
+        for c in args.concurrency or [None]:
+            n = max(args.num_prompts, 2 * (c or 0))
+            requests = make_requests(tokenizer, n, args.input_len, args.output_len, max_input, max_seq, args.seed)
+            results, duration = asyncio.run(run_load(base_url, model, requests, c, args.request_rate, args.api_key,
+                                                     args.text_prompts, tokenizer, args.seed))
+            label = f"concurrency {c}" if c else f"rate {args.request_rate}/s"
+            runs.append({"label": label, "concurrency": c, "request_rate": args.request_rate, "num_prompts": n,
+                         **summarize(results, duration)})
+            print(f"{label}: {runs[-1]['completed']}/{n} ok in {duration:.1f}s, "
+                  f"{runs[-1]['output_throughput']:.1f} output tok/s", file=sys.stderr)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+    hf = None
+    if args.hf_baseline:
+        dtype = args.hf_dtype or build.get("pretrained_config", {}).get("dtype") or "float32"
+        requests = make_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, max_input,
+                                 max_seq, args.seed)[:args.hf_num_prompts]  # the same requests (or the first)
+        results, duration = run_hf(args.hf_baseline, dtype, requests, args.threads)
+        hf = {"label": f"HF transformers ({dtype}), one at a time", "concurrency": None,
+              "num_prompts": len(requests), **summarize(results, duration)}
+    print(table(runs + ([hf] if hf else [])))
+    if hf:
+        for r in runs:
+            print(f"{r['label']}: {r['output_throughput'] / hf['output_throughput']:.2f}x HF's output tok/s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"model": model, "base_url": base_url, "args": {
+            k: v for k, v in vars(args).items() if not isinstance(v, Path)}, "runs": runs, "hf_baseline": hf},
+            indent=2, default=str))
+    if args.plot:
+        plot(runs, hf, args.plot)
+    print(f"{len(runs)} run(s) against {base_url}" + (f"; JSON {args.json}" if args.json else "")
+          + (f"; plot {args.plot}" if args.plot else ""), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""`kiln serve`: the OpenAI-compatible server on uvicorn, with a graceful drain on SIGTERM.
+
+SIGTERM (or Ctrl+C): /health turns 503, new requests get 503, requests in flight run to the end for
+up to --drain_timeout seconds (then they are aborted), and the process exits 0. A second signal
+stops at once.
+"""
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+
+import click
+import uvicorn
+
+log = logging.getLogger("kiln.serve")
+
+
+def _both(name: str) -> tuple[str, str]:
+    """Each option in TensorRT-LLM's spelling (--max_batch_size) and vLLM's (--max-batch-size)."""
+    return f"--{name}", f"--{name.replace('_', '-')}"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(*_both("engine_dir"), required=True, type=click.Path(exists=True, file_okay=False),
+              help="Engine dir written by engine-build.")
+@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option(*_both("api_key"), envvar="KILN_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on /v1/* (env KILN_API_KEY).")
+@click.option(*_both("served_model_name"), "served_model_names", multiple=True,
+              help="Model name(s) clients use (default: the engine dir as given); repeatable.")
+@click.option(*_both("chat_template"), default=None,
+              help="Jinja chat template (a file, or the template itself) replacing the tokenizer's.")
+@click.option(*_both("max_request_body_bytes"), type=int, default=16 << 20, show_default=True,
+              help="Larger request bodies get 413.")
+@click.option(*_both("drain_timeout"), type=float, default=30.0, show_default=True,
+              help="Seconds requests in flight get to finish after SIGTERM.")
+@click.option(*_both("scheduler_policy"), type=click.Choice(["max_utilization", "guaranteed_no_evict"]),
+              default="max_utilization", show_default=True)
+@click.option("--enable_chunked_prefill/--disable_chunked_prefill", "--enable-chunked-prefill/"
+              "--disable-chunked-prefill", default=True, show_default=True)
+@click.option(*_both("max_batch_size"), type=int, default=None, help="At most the engine's build limit.")
+@click.option(*_both("max_num_tokens"), type=int, default=None, help="Tokens per step; at most the build limit.")
+@click.option(*_both("kv_cache_free_mem_fraction"), type=float, default=None,
+              help="Fraction of free memory for the KV cache.")
+@click.option(*_both("max_tokens_in_paged_kv_cache"), type=int, default=None, help="KV cache size in tokens.")
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: torch's).")
+@click.option(*_both("log_level"), type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+@click.option("--access_log/--no_access_log", "--access-log/--no-access-log", default=True, show_default=True)
+def serve(engine_dir, host, port, api_key, served_model_names, chat_template, max_request_body_bytes,
+          drain_timeout, log_level, access_log, **engine_args):
+    """Serve an engine with OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
+    plus /tokenize, /detokenize, /health, /version and Prometheus /metrics."""
+    from prometheus_client import disable_created_metrics
+
+    from kiln.config import ConfigError, EngineConfig
+    from kiln.serve.app import ServeConfig, ServerState, build_app
+
+    try:  # a clear error now for a dir that is not an engine; the weights load once the port is open
+        EngineConfig.load(engine_dir)
+    except (ConfigError, OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+    disable_created_metrics()  # no `_created` series beside each counter and histogram
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if chat_template is not None and Path(chat_template).is_file():
+        chat_template = Path(chat_template).read_text()
+    elif chat_template is not None and "{" not in chat_template:
+        raise click.BadParameter(f"{chat_template!r} is neither a file nor a Jinja template",
+                                 param_hint="--chat_template")
+    if max_request_body_bytes < 1 or drain_timeout < 0:
+        raise click.BadParameter("--max_request_body_bytes must be >= 1 and --drain_timeout >= 0")
+    config = ServeConfig(engine_dir, {k: v for k, v in engine_args.items() if v is not None},
+                         served_model_names, chat_template, api_key, max_request_body_bytes)
+    state = ServerState(config)
+    server = DrainingServer(uvicorn.Config(build_app(config, state), host=host, port=port, log_level=log_level,
+                                           access_log=access_log, timeout_graceful_shutdown=3),
+                            state, drain_timeout)
+    state.on_fatal = server.stop
+    server.run()
+    if state.load_error is not None:
+        raise SystemExit(1)
+    log.info("stopped")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with signal handling that drains the engine first and exits 0 (uvicorn's own
+    re-raises the signal after its shutdown, so the process would die of it)."""
+
+    def __init__(self, config: uvicorn.Config, state, drain_timeout: float):
+        super().__init__(config)
+        self.state, self.drain_timeout = state, drain_timeout
+        self.draining: asyncio.Future | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        loop = asyncio.get_running_loop()
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        for sig in sigs:
+            loop.add_signal_handler(sig, self.on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in sigs:
+                loop.remove_signal_handler(sig)
+
+    def on_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if self.draining is not None:  # a second signal: stop now
+            log.warning("%s again: stopping without waiting", name)
+            self.force_exit = self.should_exit = True
+            return
+        log.info("%s: draining (%d request(s) in flight, up to %g s)", name, self.state.in_flight,
+                 self.drain_timeout)
+        self.draining = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        await self.state.drain(self.drain_timeout)
+        self.should_exit = True
+
+    def stop(self) -> None:  # from any thread: uvicorn polls should_exit every 0.1 s
+        self.should_exit = True

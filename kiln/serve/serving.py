@@ -1,0 +1,267 @@
+"""What the OpenAI endpoints share: prompts and chat templates to token ids, request fields to
+SamplingParams, starting engine requests (errors surface before any byte is sent), merging the
+streams of a multi-prompt request, logprobs in OpenAI's two formats, and watching for clients
+that hang up."""
+import asyncio
+import functools
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING
+
+from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.serve.metrics import ServerMetrics
+from kiln.serve.protocol import APIError, ChatMessage, SamplingFields
+
+if TYPE_CHECKING:
+    from kiln.runtime.async_llm import AsyncLLM
+
+# Request fields whose name starts an engine/SamplingParams error message ("max_tokens (300) + ...").
+_PARAMS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
+           "stop_token_ids", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "prompt"}
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class Serving:
+    def __init__(self, llm: "AsyncLLM", tokenizer, model_names: list[str], metrics: ServerMetrics,
+                 chat_template: str | None = None):
+        self.llm, self.tokenizer, self.metrics = llm, tokenizer, metrics
+        self.model_names = model_names
+        self.chat_template = chat_template
+        engine = llm.llm_engine
+        self.max_model_len = engine.build_config.max_seq_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.token_str = functools.lru_cache(maxsize=1 << 16)(self._token_str)
+
+    # -- requests ------------------------------------------------------------------------------
+    def model_name(self, requested: str | None) -> str:
+        if requested is None:
+            return self.model_names[0]
+        if requested not in self.model_names:
+            raise APIError(404, f"The model `{requested}` does not exist. Served: "
+                           f"{', '.join(self.model_names)}", "model", "model_not_found")
+        return requested
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        fields = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                      min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
+                      frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
+        try:
+            return SamplingParams(
+                **{k: v for k, v in fields.items() if v is not None}, max_tokens=max_tokens,
+                min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output)
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    def text_prompt(self, prompt: str | list[int]) -> dict:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)  # as LLMEngine does for a text prompt
+            text = prompt
+        else:
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary "
+                               f"[0, {self.vocab_size})", "prompt")
+            ids, text = list(prompt), None
+        if not ids:
+            raise APIError(400, "the prompt is empty (it has no tokens)", "prompt")
+        return {"prompt_token_ids": ids, "prompt": text}
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, kwargs: dict | None = None) -> dict:
+        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "the model's tokenizer has no chat template: use /v1/completions, or "
+                           "start `kiln serve` with --chat_template", "messages")
+        conversation = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "\n".join(part.text for part in content)
+            conversation.append({"role": m.role, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(kwargs or {}))
+        except Exception as e:  # the template raised (jinja's raise_exception, a bad role ...)
+            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS etc.
+        if not ids:
+            raise APIError(400, "the chat prompt is empty (it has no tokens)", "messages")
+        return {"prompt_token_ids": ids, "prompt": text}
+
+    async def start(self, prompts: list[dict], params: SamplingParams, request_id: str,
+                    prompt_param: str = "prompt") -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Add one engine request per prompt; returns once each has its first output (so that a bad
+        request is an error status, not a broken stream), as one stream of (prompt index, output)."""
+        gens = [self.metrics.track(self.llm.generate(p, params, f"{request_id}-{i}"))
+                for i, p in enumerate(prompts)]
+        try:
+            firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
+        except BaseException:  # cancelled (the client went away): every generate aborted its request
+            await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+            raise
+        errors = [e for e in firsts if isinstance(e, BaseException)]
+        if errors:
+            await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+            e = errors[0]
+            if isinstance(e, ValueError):
+                raise bad_request(e, prompt_param)
+            if isinstance(e, RuntimeError) and "shut down" in str(e):
+                raise APIError(503, "the server is shutting down")
+            raise e
+        return merge(gens, firsts)
+
+    # -- logprobs ------------------------------------------------------------------------------
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None],
+                            offset: int) -> dict:
+        """The legacy completions format; top_logprobs hold the sampled token and the top n."""
+        out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for tok, lp in zip(token_ids, logprobs):
+            s = self.token_str(tok)
+            out["tokens"].append(s)
+            out["text_offset"].append(offset)
+            offset += len(s)
+            if lp is None:  # the first prompt token has no logprob
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                out["token_logprobs"].append(lp[tok])
+                out["top_logprobs"].append({self.token_str(t): v for t, v in lp.items()})
+        return out
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int) -> dict:
+        content = []
+        for tok, lp in zip(token_ids, logprobs):
+            top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]
+            content.append({**self._top(tok, lp[tok]), "top_logprobs": [self._top(t, v) for t, v in top]})
+        return {"content": content}
+
+    def _top(self, token_id: int, logprob: float) -> dict:
+        s = self.token_str(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8", errors="replace"))}
+
+
+async def merge(gens: list, firsts: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """One stream out of several requests' streams; closing it aborts the requests not finished."""
+    tasks = []
+    try:
+        for i, first in enumerate(firsts):
+            yield i, first
+        live = [i for i, f in enumerate(firsts) if not f.finished]
+        if len(live) == 1:
+            async for out in gens[live[0]]:
+                yield live[0], out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i):
+            try:
+                async for out in gens[i]:
+                    queue.put_nowait((i, out))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, done))
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in live]
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+
+
+class ChoiceStream:
+    """What one streamed choice has sent. While a sequence runs, the last characters that could
+    begin a stop string are held back: the engine cuts the text when the stop string completes."""
+
+    def __init__(self, holdback: int):
+        self.holdback = holdback
+        self.text_sent = 0
+        self.tokens_sent = 0
+        self.started = False
+        self.done = False
+
+    def advance(self, out: CompletionOutput) -> tuple[str, list[int], list | None]:
+        final = out.finish_reason is not None
+        end = len(out.text) if final else len(out.text) - self.holdback
+        text = out.text[self.text_sent:end] if end > self.text_sent else ""
+        self.text_sent = max(self.text_sent, end)
+        tokens = out.token_ids[self.tokens_sent:]
+        logprobs = out.logprobs[self.tokens_sent:] if out.logprobs is not None else None
+        self.tokens_sent = len(out.token_ids)
+        self.done = final
+        return text, tokens, logprobs
+
+
+def stop_holdback(params: SamplingParams) -> int:
+    return max((len(s) for s in params.stop), default=1) - 1
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(payload) -> str:
+    if not isinstance(payload, str):
+        payload = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def bad_request(e: Exception, prompt_param: str = "prompt") -> APIError:
+    msg = str(e)
+    first = msg.split(" ", 1)[0]
+    param = first if first in _PARAMS else None
+    if param == "prompt":
+        param = prompt_param
+    return APIError(400, msg, param)
+
+
+async def until_disconnected(request, work: Awaitable):
+    """Await `work` unless the client hangs up first: then cancel it (its requests are aborted)
+    and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()

@@ -112,6 +112,8 @@ def main():
     ap.add_argument("--backend", default="aoti", choices=["aoti", "eager"])
     ap.add_argument("--max_autotune", action=argparse.BooleanOptionalAction, default=None,
                     help="AOTInductor max-autotune (default: engine-build's, i.e. on for bf16/fp16)")
+    ap.add_argument("--attention", choices=["inline", "cpp"], default=None,
+                    help="paged attention traced inline or the C++ plugin (default: engine-build's)")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the engine even if one exists")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--input_len", type=int, default=128)
@@ -136,6 +138,8 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     hf_dir = args.hf_dir or make_model(work / "hf", dtype)
     suffix = {None: "", True: "_autotune", False: "_noautotune"}[args.max_autotune]
+    if args.attention:
+        suffix += f"_{args.attention}"
     engine_dir = work / f"engine_{args.backend}_{args.dtype}{suffix}"
     max_batch = max(args.batch)
     build_seconds = None
@@ -145,6 +149,8 @@ def main():
                             max_seq_len=max(args.input_len + args.output_len, args.prefill_len + 1),
                             max_num_tokens=max(max_batch * args.input_len, args.prefill_len),
                             tokens_per_block=32, backend=args.backend, max_autotune=args.max_autotune)
+        if args.attention:
+            build.plugin_config["gpt_attention_plugin"] = {"inline": None, "cpp": "cpp"}[args.attention]
         start = time.perf_counter()
         build_engine(ckpt, engine_dir, build, log=lambda m: print(m, file=sys.stderr))
         build_seconds = time.perf_counter() - start

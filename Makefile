@@ -25,6 +25,7 @@ demo: install
 	$(VENV)/bin/engine-build --checkpoint_dir $(DEMO)/checkpoint --output_dir $(DEMO)/engine \
 		--max_batch_size 8 --max_input_len 256 --max_seq_len 512 --max_num_tokens 512
 	$(VENV)/bin/kiln run --engine_dir $(DEMO)/engine --max_tokens 64 \
+		--temperature 0.7 --top_p 0.9 --repetition_penalty 1.1 --seed 0 \
 		--prompt 'def fibonacci(n):' --prompt 'class Stack:'
 
 clean:

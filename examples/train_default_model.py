@@ -15,7 +15,6 @@ import json
 import math
 import os
 import platform
-import random
 import shlex
 import sys
 import sysconfig
@@ -126,12 +125,17 @@ def learning_rate(args, step: int, progress: float) -> float:
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=batch[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
 def train(args, model, stream: torch.Tensor, held_out: torch.Tensor, log) -> dict:
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=False)
+                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     rng = torch.Generator().manual_seed(args.seed)
     budget = args.minutes * 60
     n_windows = len(stream) - args.seq_len - 1
@@ -150,7 +154,7 @@ def train(args, model, stream: torch.Tensor, held_out: torch.Tensor, log) -> dic
         offsets = torch.randint(0, n_windows, (args.batch_size,), generator=rng)
         batch = torch.stack([stream[o:o + args.seq_len + 1] for o in offsets.tolist()])
         with autocast(args.dtype):
-            loss = _loss(model, batch)
+            loss = lm_loss(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -175,11 +179,6 @@ def train(args, model, stream: torch.Tensor, held_out: torch.Tensor, log) -> dic
             "tokens_per_s": tokens / wall, "mean_load_average": sum(loads) / len(loads)}
 
 
-def _loss(model, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=batch[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-
-
 def write_card(out: Path, args, root: Path, train_files, held_out_files, n_params: int, config: LlamaConfig,
                stats: dict, train_tokens: int, held_out_tokens: int, held_out_bytes: int, ppl: float,
                nll_per_token: float, wall_s: float, samples: dict[str, str]) -> None:
@@ -187,10 +186,14 @@ def write_card(out: Path, args, root: Path, train_files, held_out_files, n_param
     size_mb = sum(p.stat().st_size for p in out.iterdir() if p.is_file()) / 1e6
     bits_per_byte = nll_per_token * held_out_tokens / held_out_bytes / math.log(2)
     sample_text = "".join(f"{name}:\n\n```python\n{text}\n```\n\n" for name, text in samples.items())
+    threads, heads = torch.get_num_threads(), config.num_attention_heads
+    minutes, epochs = stats["train_seconds"] / 60, stats["tokens"] / train_tokens
+    precision = "bf16 autocast" if args.dtype == "bf16" else "fp32 weights and activations"
+    cpu = f"{platform.machine()} ({_cpu_name()}, {os.cpu_count()} cores)"
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     text = f"""# kiln-tiny-stdlib
 
-A {n_params / 1e6:.1f}M-parameter Llama trained for about {stats['train_seconds'] / 60:.0f} minutes on 2 CPU cores on the
+A {n_params / 1e6:.1f}M-parameter Llama trained for about {minutes:.0f} minutes on {threads} CPU threads on the
 Python {platform.python_version()} standard library's own source code. It is Kiln's default model: it exists so
 that `make demo`, examples and tests have real, redistributable weights that write plausible-looking
 Python. **It is not a general-purpose model**: it knows only the style of the standard library, it has
@@ -206,8 +209,9 @@ its output is not correct code.
 | parameters | {n_params:,} (embeddings tied with the LM head) |
 | hidden size / intermediate size | {config.hidden_size} / {config.intermediate_size} (SwiGLU) |
 | layers | {config.num_hidden_layers} |
-| attention heads / KV heads (GQA) | {config.num_attention_heads} / {config.num_key_value_heads}, head dim {config.hidden_size // config.num_attention_heads} |
-| position embeddings | RoPE, theta {config.rope_theta:g}, `max_position_embeddings` {config.max_position_embeddings} (trained on {args.seq_len}-token windows) |
+| attention heads / KV heads (GQA) | {heads} / {config.num_key_value_heads}, head dim {config.hidden_size // heads} |
+| position embeddings | RoPE, theta {config.rope_theta:g}, `max_position_embeddings` {config.max_position_embeddings} \
+(trained on {args.seq_len}-token windows) |
 | vocabulary | {config.vocab_size} byte-level BPE tokens (`tokenizers`), trained on the training files |
 | special tokens | `{EOT}` (id {config.bos_token_id}) is BOS, EOS and padding; `encode` prepends it |
 | files on disk | {size_mb:.1f} MB |
@@ -222,9 +226,9 @@ stdlib folder, <https://docs.python.org/3/license.html>). Left out: test suites 
 `tests`, `idle_test` and files `test_*.py`), `encodings/` (generated codec tables), `pydoc_data/`,
 `site-packages/`, `_sysconfigdata*`, `config-*`, files over {MAX_FILE_BYTES // 1000} kB and files that are not UTF-8.
 
-Split: the {len(train_files) + len(held_out_files)} kept files, sorted by their path relative to the stdlib folder; every
-file whose index % {HOLDOUT_EVERY} == 0 is held out ({len(held_out_files)} files, {held_out_tokens:,} tokens), the other
-{len(train_files)} files ({train_tokens:,} tokens) are the training set, on which the tokenizer was trained too.
+Split: the {len(train_files) + len(held_out_files)} kept files, sorted by their path relative to the stdlib folder;
+every file whose index % {HOLDOUT_EVERY} == 0 is held out ({len(held_out_files)} files, {held_out_tokens:,} tokens),
+the other {len(train_files)} files ({train_tokens:,} tokens) are the training set, on which the tokenizer was trained too.
 
 Held-out files: {", ".join(f"`{r}`" for r in rel)}.
 
@@ -235,15 +239,16 @@ Held-out files: {", ".join(f"`{r}`" for r in rel)}.
 ```
 
 AdamW (betas 0.9/0.95, weight decay {args.weight_decay}, grad clip 1.0), peak learning rate {args.lr:g} after
-{args.warmup_steps} warm-up steps, cosine decay to {args.min_lr:g} over the wall-clock budget; batches of {args.batch_size}
-random {args.seq_len}-token windows of the packed training stream (documents joined by `{EOT}`),
-{args.dtype} {"autocast" if args.dtype == "bf16" else "weights and activations"}, seed {args.seed}, torch {torch.__version__}, {torch.get_num_threads()} threads on {platform.processor() or platform.machine()} ({_cpu_name()},
-{os.cpu_count()} cores; mean 1-minute load average during training {stats['mean_load_average']:.1f}, so a load above
-{os.cpu_count()} means the run shared the cores with other work).
+{args.warmup_steps} warm-up steps, cosine decay to {args.min_lr:g} over the wall-clock budget; batches of
+{args.batch_size} random {args.seq_len}-token windows of the packed training stream (documents joined by
+`{EOT}`), {precision}, seed {args.seed}, torch {torch.__version__}, {threads} threads on {cpu}.
+The mean 1-minute load average during training was {stats['mean_load_average']:.1f}; above {threads} means the run
+shared the cores with other work.
 
 | | |
 |---|---|
-| training wall time | {stats['train_seconds'] / 60:.1f} min ({stats['steps']:,} steps, {stats['tokens']:,} tokens ≈ {stats['tokens'] / train_tokens:.1f} epochs, {stats['tokens_per_s']:,.0f} tokens/s) |
+| training wall time | {minutes:.1f} min ({stats['steps']:,} steps, {stats['tokens']:,} tokens ≈ {epochs:.1f} epochs, \
+{stats['tokens_per_s']:,.0f} tokens/s) |
 | whole script wall time (tokenizer, training, evaluation, saving) | {wall_s / 60:.1f} min |
 | final train loss (EMA over the last ~20 steps) | {stats['final_loss']:.3f} |
 | held-out loss / perplexity | {nll_per_token:.3f} / **{ppl:.2f}** per token ({bits_per_byte:.3f} bits per byte) |
@@ -255,8 +260,9 @@ float32 (the dtype `from_pretrained` loads them in by default).
 
 ## Samples
 
-Continuations of `def fibonacci(n):` (64 new tokens) with transformers' `generate`; like most models
-this small, it repeats itself under greedy decoding, so a low sampling temperature reads better.
+Continuations of `def fibonacci(n):` (64 new tokens) with transformers' `generate`. Models this small
+repeat themselves, most of all under greedy decoding; `make demo` samples with temperature 0.7, top-p
+0.9 and repetition penalty 1.1.
 
 {sample_text}"""
     (out / "README.md").write_text(text)
@@ -301,7 +307,6 @@ def main() -> None:
     args.intermediate = args.intermediate or int(round(2.75 * args.hidden / 32) * 32)
     t0 = time.perf_counter()
     torch.set_num_threads(args.threads)
-    random.seed(args.seed)
     torch.manual_seed(args.seed)
 
     def log(msg: str) -> None:

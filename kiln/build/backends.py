@@ -1,7 +1,6 @@
 """Backends turn one rank's ExportedProgram into a serialized engine file, and load it back."""
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -49,15 +48,3 @@ def load(backend: str, path: Path):
         with open(path, "rb") as f:
             return torch.export.load(f).module()
     raise ValueError(f"unknown backend {backend!r}")
-
-
-def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-             "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
-             "added_tokens.json")
-    copied = []
-    for name in names:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-            copied.append(name)
-    return copied

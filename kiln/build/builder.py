@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from kiln.build import backends
 from kiln.build.export import export
+from kiln.convert.writer import copy_tokenizer_files
 from kiln.config import BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json, torch_dtype, write_json
 from kiln.models.llama import LlamaForCausalLM, checkpoint_shapes
 from kiln.utils import peak_rss_mb, replace_dir, progress
@@ -90,7 +91,7 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print) -> P
                 backends.COMPILERS[build.backend](program, tmp / f"rank{rank}.engine", build.max_autotune)
                 bar.update(1)
         write_json(tmp / "config.json", EngineConfig(pretrained, build).to_dict())
-        backends.copy_tokenizer(checkpoint_dir, tmp)
+        copy_tokenizer_files(checkpoint_dir, tmp)
         replace_dir(tmp, output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

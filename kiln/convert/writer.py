@@ -27,6 +27,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "generation_config.json",
     "chat_template.jinja",
+    "added_tokens.json",
 )
 
 

@@ -160,6 +160,15 @@ class PretrainedConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"checkpoint config must be a JSON object, got {type(d).__name__}")
         d = dict(d)
+        # ModelOpt's export (TensorRT-LLM's names): `bias` is the qkv bias; `share_embedding_table`
+        # says lm_head is the embedding table; rotary_scaling keeps HF's "rope_type" key.
+        if "attn_bias" not in d and "bias" in d:
+            d["attn_bias"] = bool(d["bias"])
+        if "tie_word_embeddings" not in d and "share_embedding_table" in d:
+            d["tie_word_embeddings"] = bool(d["share_embedding_table"])
+        scaling = d.get("rotary_scaling")
+        if isinstance(scaling, dict) and "type" not in scaling and "rope_type" in scaling:
+            d["rotary_scaling"] = {("type" if k == "rope_type" else k): v for k, v in scaling.items()}
         known = {f.name for f in dataclasses.fields(cls)}
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

@@ -8,10 +8,11 @@ import torch
 from safetensors import safe_open
 
 from kiln.build import backends
-from kiln.build.export import export
+from kiln.build.export import export, kv_cache_dtype
 from kiln.convert.writer import copy_tokenizer_files
 from kiln.config import BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json, torch_dtype, write_json
-from kiln.models.llama import LlamaForCausalLM, checkpoint_shapes
+from kiln.models.linear import FP8, check_quantization
+from kiln.models.llama import LlamaForCausalLM, checkpoint_tensors
 from kiln.utils import peak_rss_mb, replace_dir, progress
 
 
@@ -20,7 +21,7 @@ def load_rank_weights(checkpoint_dir: Path, config: PretrainedConfig, rank: int)
     if not path.is_file():
         raise ConfigError(f"{path} not found: the checkpoint's mapping (world_size "
                           f"{config.mapping.world_size}) needs one file per rank")
-    expected = checkpoint_shapes(config, rank)
+    expected = checkpoint_tensors(config, rank)
     dtype = torch_dtype(config.dtype)
     weights = {}
     try:
@@ -30,16 +31,43 @@ def load_rank_weights(checkpoint_dir: Path, config: PretrainedConfig, rank: int)
             if missing:
                 raise ConfigError(f"{path}: missing tensor {missing[0]}"
                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-            for name, shape in expected.items():
+            for name, (shape, kind) in expected.items():
                 t = f.get_tensor(name)
                 if tuple(t.shape) != shape:
-                    raise ConfigError(f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
-                weights[name] = t.to(dtype)
+                    raise ConfigError(f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {shape}"
+                                      + _quantized_note(config, name))
+                weights[name] = _as_kind(t, kind, dtype, f"{path}: tensor {name}", _quantized_note(config, name))
     except ConfigError:
         raise
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
         raise ConfigError(f"{path} is not a readable safetensors file: {e}") from None
     return weights
+
+
+def _quantized_note(config: PretrainedConfig, name: str) -> str:
+    q = config.quantization
+    if q.quant_algo and (".attention." in name or ".mlp." in name) and "layernorm" not in name:
+        return f" (quant_algo {q.quant_algo})"
+    if q.kv_cache_quant_algo and name.endswith("kv_cache_scaling_factor"):
+        return f" (kv_cache_quant_algo {q.kv_cache_quant_algo})"
+    return ""
+
+
+def _as_kind(t: torch.Tensor, kind, dtype: torch.dtype, what: str, note: str) -> torch.Tensor:
+    """Checks a checkpoint tensor's dtype and casts only what is meant to be cast: quantized tensors
+    keep their bits, scales stay float32."""
+    floating = t.is_floating_point() and t.dtype != FP8
+    if kind in ("model", "scale"):
+        if not floating:
+            raise ConfigError(f"{what} has dtype {t.dtype}, expected a float dtype{note}")
+        return t.to(dtype if kind == "model" else torch.float32)
+    if kind == "int4":
+        if t.dtype not in (torch.int8, torch.uint8):
+            raise ConfigError(f"{what} has dtype {t.dtype}, expected int8 holding two int4 values per byte{note}")
+        return t.view(torch.int8)
+    if t.dtype != kind:
+        raise ConfigError(f"{what} has dtype {t.dtype}, expected {kind}{note}")
+    return t
 
 
 def check_output_dir(checkpoint_dir: Path, output_dir: Path) -> None:
@@ -61,17 +89,32 @@ def check_output_dir(checkpoint_dir: Path, output_dir: Path) -> None:
                                   f"with build_config); remove it or choose another output dir")
 
 
-def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print) -> Path:
+def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, tokenizer_dir=None) -> Path:
+    """tokenizer_dir: where the tokenizer files come from (default: the checkpoint dir; ModelOpt's
+    exports carry none, so their users pass the HF model dir, as TensorRT-LLM's do)."""
     start = time.time()
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
+        raise ConfigError(f"tokenizer dir {tokenizer_dir} not found")
     check_output_dir(checkpoint_dir, output_dir)
     pretrained = PretrainedConfig.load(checkpoint_dir)
     if pretrained.mapping.world_size != 1:
         raise ConfigError(f"checkpoint {checkpoint_dir} has world_size {pretrained.mapping.world_size}; "
                           f"this release builds single-rank engines only (convert with --tp_size 1 --pp_size 1)")
-    if pretrained.quantization.quant_algo or pretrained.quantization.kv_cache_quant_algo:
-        raise ConfigError(f"checkpoint {checkpoint_dir} is quantized "
-                          f"({pretrained.quantization.quant_algo}); quantized engines are not supported yet")
+    try:
+        check_quantization(pretrained)
+    except ConfigError as e:
+        raise ConfigError(f"{checkpoint_dir / 'config.json'}: {e}") from None
+    kv_algo = pretrained.quantization.kv_cache_quant_algo
+    if kv_algo:
+        if build.plugin_config.get("gpt_attention_plugin") == "cpp":
+            raise ConfigError(f"checkpoint {checkpoint_dir} has an 8-bit KV cache (kv_cache_quant_algo {kv_algo}), "
+                              f"which gpt_attention_plugin 'cpp' does not read; build without it")
+        real = str(kv_cache_dtype(pretrained, build)).removeprefix("torch.")
+        if build.kv_cache_dtype not in (None, real):
+            raise ConfigError(f"kv_cache_dtype {build.kv_cache_dtype!r} contradicts the checkpoint's "
+                              f"kv_cache_quant_algo {kv_algo} ({real})")
+        build.kv_cache_dtype = real
     if build.max_autotune is None:
         # Measured on CPU: autotuned micro-GEMMs run bf16 2-3x faster than ATen's; fp32 gains little
         # for a much longer build.
@@ -91,7 +134,9 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print) -> P
                 backends.COMPILERS[build.backend](program, tmp / f"rank{rank}.engine", build.max_autotune)
                 bar.update(1)
         write_json(tmp / "config.json", EngineConfig(pretrained, build).to_dict())
-        copy_tokenizer_files(checkpoint_dir, tmp)
+        if not copy_tokenizer_files(Path(tokenizer_dir or checkpoint_dir), tmp):
+            log(f"note: no tokenizer files in {tokenizer_dir or checkpoint_dir}; the engine dir has none, so "
+                f"pass a tokenizer to LLM or rebuild with --tokenizer_dir <HF model dir>")
         replace_dir(tmp, output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

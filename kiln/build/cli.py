@@ -35,8 +35,11 @@ def build_options(f):
               help="Checkpoint dir written by convert_checkpoint (config.json, rank{N}.safetensors).")
 @click.option("--output_dir", required=True, type=click.Path(file_okay=False),
               help="Engine dir to write (config.json, rank{N}.engine, tokenizer files).")
+@click.option("--tokenizer_dir", default=None, type=click.Path(file_okay=False),
+              help="Dir to copy the tokenizer files from. Default: the checkpoint dir (ModelOpt exports have "
+                   "none: pass the HF model dir).")
 @build_options
-def main(checkpoint_dir, output_dir, workers, **options):
+def main(checkpoint_dir, output_dir, workers, tokenizer_dir, **options):
     """Compile a Kiln/TensorRT-LLM checkpoint into a serialized engine dir.
 
     The output is written to a temporary dir beside OUTPUT_DIR and renamed into place when
@@ -45,6 +48,6 @@ def main(checkpoint_dir, output_dir, workers, **options):
     from kiln.build.builder import build_engine
 
     try:
-        build_engine(checkpoint_dir, output_dir, BuildConfig(**options), log=click.echo)
+        build_engine(checkpoint_dir, output_dir, BuildConfig(**options), log=click.echo, tokenizer_dir=tokenizer_dir)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None

@@ -9,6 +9,7 @@ from torch import nn
 
 from kiln.config import PretrainedConfig
 from kiln.models import rope
+from kiln.models.linear import make_linear, tensor_specs
 from kiln.plugins import cpu, ops
 
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "ctx_token_index", "ctx_block_tables",
@@ -51,17 +52,18 @@ class LlamaLayer(nn.Module):
                 raise KeyError(f"missing tensor {key}")
             return nn.Parameter(weights[key], requires_grad=False)
 
+        def linear(*names, bias=None):
+            return make_linear(config, weights, [prefix + n for n in names], bias)
+
         self.input_layernorm = param("input_layernorm.weight")
-        self.qkv = param("attention.qkv.weight")
-        self.qkv_bias = param("attention.qkv.bias", optional=True)
+        self.qkv = linear("attention.qkv", bias=param("attention.qkv.bias", optional=True))
         self.q_layernorm = param("attention.q_layernorm.weight", optional=not config.qk_layernorm)
         self.k_layernorm = param("attention.k_layernorm.weight", optional=not config.qk_layernorm)
-        self.dense = param("attention.dense.weight")
+        self.dense = linear("attention.dense")
         self.post_layernorm = param("post_layernorm.weight")
         # fc (activated) and gate as one GEMM: one pass over the activations instead of two.
-        self.gate_up = nn.Parameter(torch.cat([weights[prefix + "mlp.fc.weight"],
-                                               weights[prefix + "mlp.gate.weight"]]), requires_grad=False)
-        self.proj = param("mlp.proj.weight")
+        self.gate_up = linear("mlp.fc", "mlp.gate")
+        self.proj = linear("mlp.proj")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -90,6 +92,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Parameter(lm_head, requires_grad=False)
         self.register_buffer("inv_freq", rope.inv_freq(config), persistent=False)
+        # Static per-layer scales of an 8-bit KV cache: the pool holds round/cast(x / scale).
+        self.register_buffer("kv_scales", torch.cat([
+            weights[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"].float().reshape(1)
+            for i in self.layer_ids]) if config.quantization.kv_cache_quant_algo else None)
 
     def forward(self, input_ids, positions, slot_mapping, ctx_token_index, ctx_block_tables,
                 ctx_context_lens, gen_token_index, gen_block_tables, gen_context_lens, logits_index,
@@ -108,19 +114,21 @@ class LlamaForCausalLM(nn.Module):
                 residual, x = hidden, o.rms_norm(hidden, layer.input_layernorm, self.eps)
             else:
                 x, residual = o.fused_add_rms_norm(hidden, residual, layer.input_layernorm, self.eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            kv_scale = None if self.kv_scales is None else self.kv_scales[i]
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([H * D, KH * D, KH * D], dim=-1)
             q, k, v = q.view(T, H, D), k.view(T, KH, D), v.view(T, KH, D)
             if layer.q_layernorm is not None:
                 q = o.rms_norm(q, layer.q_layernorm, self.eps)
                 k = o.rms_norm(k, layer.k_layernorm, self.eps)
             q, k = o.rotary_embedding(q, k, cos, sin)
-            o.kv_cache_write(kv_cache, i, k, v, slot_mapping)
+            o.kv_cache_write(kv_cache, i, k, v, slot_mapping, kv_scale)
             attn = o.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
-                                       gen_token_index, gen_block_tables, gen_context_lens, self.scale)
-            hidden = F.linear(attn.reshape(T, H * D), layer.dense)
+                                       gen_token_index, gen_block_tables, gen_context_lens, self.scale,
+                                       *(() if kv_scale is None else (kv_scale,)))
+            hidden = layer.dense(attn.reshape(T, H * D))
             x, residual = o.fused_add_rms_norm(hidden, residual, layer.post_layernorm, self.eps)
-            hidden = F.linear(o.silu_and_mul(F.linear(x, layer.gate_up)), layer.proj)
+            hidden = layer.proj(o.silu_and_mul(layer.gate_up(x)))
 
         # Only the selected tokens go through the final norm and the vocab GEMM.
         hidden = (hidden + residual)[logits_index]
@@ -139,31 +147,36 @@ def _rope_lens(positions, ctx_token_index, ctx_context_lens):
 
 def checkpoint_shapes(config: PretrainedConfig, rank: int) -> dict[str, tuple[int, ...]]:
     """Every tensor name a rank's checkpoint file must hold, with its shape."""
+    return {name: shape for name, (shape, _) in checkpoint_tensors(config, rank).items()}
+
+
+def checkpoint_tensors(config: PretrainedConfig, rank: int) -> dict[str, tuple[tuple[int, ...], object]]:
+    """Every tensor name a rank's checkpoint file must hold -> (shape, kind): kinds as in
+    kiln.models.linear ("model", "scale", "int4" or an exact dtype)."""
     m = config.mapping
     pp_rank = m.pp_rank(rank)
     hidden, D = config.hidden_size, config.head_size
     inter = config.intermediate_size // m.tp_size
     qkv_out = (config.heads_per_rank + 2 * config.kv_heads_per_rank) * D
-    shapes = {}
+    model = "model"
+    specs = {}
     if pp_rank == 0:
-        shapes["transformer.vocab_embedding.weight"] = (config.vocab_size_padded // m.tp_size, hidden)
+        specs["transformer.vocab_embedding.weight"] = ((config.vocab_size_padded // m.tp_size, hidden), model)
     for i in config.layers_of(pp_rank):
         p = f"transformer.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "attention.qkv.weight": (qkv_out, hidden),
-            p + "attention.dense.weight": (hidden, config.heads_per_rank * D),
-            p + "post_layernorm.weight": (hidden,),
-            p + "mlp.fc.weight": (inter, hidden),
-            p + "mlp.gate.weight": (inter, hidden),
-            p + "mlp.proj.weight": (hidden, inter),
-        })
+        specs[p + "input_layernorm.weight"] = ((hidden,), model)
+        specs[p + "post_layernorm.weight"] = ((hidden,), model)
+        for name, out, inp in (("attention.qkv", qkv_out, hidden), ("attention.dense", hidden, config.heads_per_rank * D),
+                               ("mlp.fc", inter, hidden), ("mlp.gate", inter, hidden), ("mlp.proj", hidden, inter)):
+            specs.update(tensor_specs(config, p + name, out, inp))
         if config.attn_bias:
-            shapes[p + "attention.qkv.bias"] = (qkv_out,)
+            specs[p + "attention.qkv.bias"] = ((qkv_out,), model)
         if config.qk_layernorm:
-            shapes[p + "attention.q_layernorm.weight"] = (D,)
-            shapes[p + "attention.k_layernorm.weight"] = (D,)
+            specs[p + "attention.q_layernorm.weight"] = ((D,), model)
+            specs[p + "attention.k_layernorm.weight"] = ((D,), model)
+        if config.quantization.kv_cache_quant_algo:
+            specs[p + "attention.kv_cache_scaling_factor"] = ((1,), "scale")
     if pp_rank == m.pp_size - 1:
-        shapes["transformer.ln_f.weight"] = (hidden,)
-        shapes["lm_head.weight"] = (config.vocab_size_padded // m.tp_size, hidden)
-    return shapes
+        specs["transformer.ln_f.weight"] = ((hidden,), model)
+        specs["lm_head.weight"] = ((config.vocab_size_padded // m.tp_size, hidden), model)
+    return specs

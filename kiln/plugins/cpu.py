@@ -2,6 +2,8 @@
 import torch
 import torch.nn.functional as F
 
+from kiln.plugins import quant
+
 
 def rms_norm(x, weight, eps):
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -28,23 +30,25 @@ def silu_and_mul(x):
     return F.silu(gate) * up
 
 
-def kv_cache_write(kv_cache, layer, k, v, slot_mapping):
+def kv_cache_write(kv_cache, layer, k, v, slot_mapping, kv_scale=None):
     # One index_put_ on the pool itself: a write through a view of it compiles to a copy of the
     # whole pool every step (DESIGN.md, constraint 3).
     block_size = kv_cache.shape[3]
     index = (torch.tensor(layer), torch.arange(2)[:, None], (slot_mapping // block_size)[None],
              (slot_mapping % block_size)[None])
-    kv_cache.index_put_(index, torch.stack([k, v]).to(kv_cache.dtype))
+    kv = torch.stack([k, v])
+    kv_cache.index_put_(index, kv.to(kv_cache.dtype) if kv_scale is None else quant.quantize_to(kv, kv_scale, kv_cache.dtype))
 
 
-def _gather_kv(kv_cache, layer, block_tables, dtype):
+def _gather_kv(kv_cache, layer, block_tables, dtype, kv_scale=None):
     # [S, MB] pages -> [S, KH, MB * block_size, D]; a copy, which the C++ plugin avoids.
-    kv = kv_cache[layer][:, block_tables].flatten(2, 3).transpose(2, 3).to(dtype)
+    kv = kv_cache[layer][:, block_tables].flatten(2, 3).transpose(2, 3)
+    kv = kv.to(dtype) if kv_scale is None else (kv.float() * kv_scale).to(dtype)
     return kv[0], kv[1]
 
 
 def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_context_lens,
-                    gen_token_index, gen_block_tables, gen_context_lens, scale):
+                    gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale=None):
     """Traceable: sizes come only from input shapes, and both phases always run (either may be
     empty), so the graph compiler can take it whole instead of calling back into Python."""
     T = q.shape[0]
@@ -52,7 +56,7 @@ def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_c
     # Context phase: [Sc, H, Qmax, D] queries, causal from each chunk's offset in its sequence.
     valid = ctx_token_index >= 0
     q_ctx = q[ctx_token_index.clamp(min=0)].transpose(1, 2)
-    k, v = _gather_kv(kv_cache, layer, ctx_block_tables, q.dtype)
+    k, v = _gather_kv(kv_cache, layer, ctx_block_tables, q.dtype, kv_scale)
     query_pos = (ctx_context_lens - valid.sum(1))[:, None] + torch.arange(q_ctx.shape[2])
     query_pos = torch.minimum(query_pos, (ctx_context_lens - 1)[:, None])
     mask = torch.arange(k.shape[2])[None, None, :] <= query_pos[:, :, None]  # [Sc, Qmax, K]
@@ -60,7 +64,7 @@ def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_c
     dest = torch.where(valid, ctx_token_index, T).flatten()
     out.index_put_((dest,), o.transpose(1, 2).flatten(0, 1))
     # Generation phase: one query per sequence, never padded to the context phase's Qmax.
-    k, v = _gather_kv(kv_cache, layer, gen_block_tables, q.dtype)
+    k, v = _gather_kv(kv_cache, layer, gen_block_tables, q.dtype, kv_scale)
     mask = torch.arange(k.shape[2])[None, :] < gen_context_lens[:, None]
     o = F.scaled_dot_product_attention(q[gen_token_index][:, :, None], k, v, attn_mask=mask[:, None, None],
                                        scale=scale, enable_gqa=True)

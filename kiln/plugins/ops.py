@@ -3,6 +3,8 @@
 A graph that calls them keeps them as single nodes through `torch.export`, so each backend can map
 them onto its own kernel (AOTInductor calls the registered implementation; TensorRT a plugin).
 """
+from typing import Optional
+
 import torch
 
 from kiln.plugins import cpu
@@ -52,12 +54,12 @@ def _(x):
 
 @torch.library.custom_op("kiln::kv_cache_write", mutates_args=("kv_cache",))
 def kv_cache_write(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    cpu.kv_cache_write(kv_cache, layer, k, v, slot_mapping)
+                   slot_mapping: torch.Tensor, kv_scale: Optional[torch.Tensor] = None) -> None:
+    cpu.kv_cache_write(kv_cache, layer, k, v, slot_mapping, kv_scale)
 
 
 @kv_cache_write.register_fake
-def _(kv_cache, layer, k, v, slot_mapping):
+def _(kv_cache, layer, k, v, slot_mapping, kv_scale=None):
     return None
 
 
@@ -66,9 +68,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                     ctx_token_index: torch.Tensor, ctx_block_tables: torch.Tensor,
                     ctx_context_lens: torch.Tensor, gen_token_index: torch.Tensor,
                     gen_block_tables: torch.Tensor, gen_context_lens: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, kv_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     return cpu.paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_context_lens,
-                               gen_token_index, gen_block_tables, gen_context_lens, scale)
+                               gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale)
 
 
 @paged_attention.register_fake

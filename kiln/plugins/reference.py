@@ -4,6 +4,8 @@ Written for clarity, not speed: float32 math, explicit masks, one sequence at a 
 """
 import torch
 
+from kiln.plugins import quant
+
 
 def rms_norm(x, weight, eps):
     xf = x.float()
@@ -33,8 +35,11 @@ def silu_and_mul(x):
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
-def kv_cache_write(kv_cache, layer, k, v, slot_mapping):
+def kv_cache_write(kv_cache, layer, k, v, slot_mapping, kv_scale=None):
+    """8-bit pools (int8, fp8) hold round/cast(x / kv_scale), kv_scale being the layer's static scale."""
     block_size = kv_cache.shape[3]
+    if kv_scale is not None:
+        k, v = quant.quantize_to(k, kv_scale, kv_cache.dtype), quant.quantize_to(v, kv_scale, kv_cache.dtype)
     for t, slot in enumerate(slot_mapping.tolist()):
         assert slot >= 0, "every token has a slot; the runtime never pads the flat batch"
         kv_cache[layer, 0, slot // block_size, slot % block_size] = k[t]
@@ -52,26 +57,28 @@ def _attend(q, k, v, query_positions, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _sequence_kv(kv_cache, layer, block_table, length):
+def _sequence_kv(kv_cache, layer, block_table, length, kv_scale):
     block_size = kv_cache.shape[3]
     blocks = block_table[: -(-length // block_size)]
-    k = kv_cache[layer, 0, blocks].flatten(0, 1)[:length]
-    v = kv_cache[layer, 1, blocks].flatten(0, 1)[:length]
+    k = kv_cache[layer, 0, blocks].flatten(0, 1)[:length].float()
+    v = kv_cache[layer, 1, blocks].flatten(0, 1)[:length].float()
+    if kv_scale is not None:
+        k, v = k * kv_scale.float(), v * kv_scale.float()
     return k, v
 
 
 def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_context_lens,
-                    gen_token_index, gen_block_tables, gen_context_lens, scale):
+                    gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale=None):
     out = torch.zeros_like(q)
     for i in range(ctx_token_index.shape[0]):
         tokens = ctx_token_index[i][ctx_token_index[i] >= 0]
         length = int(ctx_context_lens[i])
-        k, v = _sequence_kv(kv_cache, layer, ctx_block_tables[i], length)
+        k, v = _sequence_kv(kv_cache, layer, ctx_block_tables[i], length, kv_scale)
         positions = torch.arange(length - len(tokens), length)
         out[tokens] = _attend(q[tokens], k, v, positions, scale).to(q.dtype)
     for i in range(gen_token_index.shape[0]):
         length = int(gen_context_lens[i])
-        k, v = _sequence_kv(kv_cache, layer, gen_block_tables[i], length)
+        k, v = _sequence_kv(kv_cache, layer, gen_block_tables[i], length, kv_scale)
         token = gen_token_index[i : i + 1]
         out[token] = _attend(q[token], k, v, torch.tensor([length - 1]), scale).to(q.dtype)
     return out

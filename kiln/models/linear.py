@@ -1,0 +1,188 @@
+"""Linear layers built from a rank's checkpoint tensors: one class per quant_algo.
+
+A layer is built from one or more checkpoint linears that share their input (qkv; mlp.fc + mlp.gate)
+and runs them as one GEMM whose output rows are the parts' rows in order. Per-channel and per-group
+scales concatenate along the output dim and per-tensor weight scales become per-row ones, so fusing
+is exact; parts whose input-side scales differ (AWQ smooths mlp.fc and mlp.gate separately) run as
+separate GEMMs whose outputs are concatenated.
+"""
+from fnmatch import fnmatch
+
+import torch
+from torch import nn
+
+from kiln.config import ConfigError, PretrainedConfig, torch_dtype
+from kiln.plugins import quant
+
+INT4_ALGOS = ("W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ")
+SUPPORTED_QUANT_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", "FP8", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ")
+SUPPORTED_KV_CACHE_QUANT_ALGOS = ("FP8", "INT8")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
+
+# Tensor kinds a checkpoint entry must have: "model" (any float, cast to the model dtype), "scale"
+# (any float, kept float32), "int4" (int8/uint8 holding two int4), or an exact torch dtype.
+INT8, FP8 = torch.int8, quant.FP8
+
+
+def quant_algo_of(config: PretrainedConfig, name: str) -> str | None:
+    """The quant_algo of linear `name` (e.g. transformer.layers.0.mlp.fc), None when excluded."""
+    q = config.quantization
+    if not q.quant_algo or any(fnmatch(name, pat) or fnmatch(name.split(".")[-1], pat)
+                               for pat in q.exclude_modules or []):
+        return None
+    return q.quant_algo
+
+
+def has_pre_quant_scale(config: PretrainedConfig) -> bool:
+    algo = config.quantization.quant_algo
+    return algo in ("W8A8_SQ_PER_CHANNEL", "W4A8_AWQ") or (algo in INT4_ALGOS and config.quantization.pre_quant_scale)
+
+
+def tensor_specs(config: PretrainedConfig, name: str, out: int, inp: int) -> dict[str, tuple[tuple, object]]:
+    """name.suffix -> (shape, kind) for the tensors of checkpoint linear `name` [out, in]."""
+    algo, g = quant_algo_of(config, name), config.quantization.group_size
+    specs = {"weight": ((out, inp), "model")}
+    if algo == "W8A16":
+        specs = {"weight": ((out, inp), INT8), "weights_scaling_factor": ((out,), "scale")}
+    elif algo in INT4_ALGOS:
+        specs = {"weight": ((out // 2, inp), "int4"), "weights_scaling_factor": ((out, inp // g), "scale")}
+        if algo == "W4A8_AWQ":
+            specs.update(weights_scaling_factor_2=((1,), "scale"), activation_scaling_factor=((1,), "scale"))
+    elif algo == "FP8":
+        specs = {"weight": ((out, inp), FP8), "weights_scaling_factor": ((1,), "scale"),
+                 "activation_scaling_factor": ((1,), "scale")}
+    elif algo == "W8A8_SQ_PER_CHANNEL":
+        specs = {"weight": ((out, inp), INT8), "weights_scaling_factor": ((out,), "scale"),
+                 "activation_scaling_factor": ((1,), "scale")}
+    if algo and has_pre_quant_scale(config):
+        specs["prequant_scaling_factor"] = ((inp,), "model")
+    return {f"{name}.{suffix}": spec for suffix, spec in specs.items()}
+
+
+def check_quantization(config: PretrainedConfig) -> None:
+    q = config.quantization
+    if q.quant_algo and q.quant_algo not in SUPPORTED_QUANT_ALGOS:
+        raise ConfigError(f"quantization.quant_algo {q.quant_algo!r} is not supported; expected one of "
+                          f"{', '.join(SUPPORTED_QUANT_ALGOS)}")
+    if q.kv_cache_quant_algo and q.kv_cache_quant_algo not in SUPPORTED_KV_CACHE_QUANT_ALGOS:
+        raise ConfigError(f"quantization.kv_cache_quant_algo {q.kv_cache_quant_algo!r} is not supported; "
+                          f"expected one of {', '.join(SUPPORTED_KV_CACHE_QUANT_ALGOS)}")
+    if q.quant_algo in INT4_ALGOS:
+        if q.has_zero_point:
+            raise ConfigError(f"quantization.has_zero_point true is not supported for {q.quant_algo}; "
+                              f"expected symmetric int4 (has_zero_point false)")
+        if q.group_size not in INT4_GROUP_SIZES:
+            raise ConfigError(f"quantization.group_size {q.group_size} is not supported; expected one of "
+                              f"{', '.join(map(str, INT4_GROUP_SIZES))}")
+        for dim in ("hidden_size", "intermediate_size"):
+            if getattr(config, dim) % q.group_size:
+                raise ConfigError(f"quantization.group_size {q.group_size} does not divide {dim} "
+                                  f"({getattr(config, dim)})")
+
+
+class Linear(nn.Module):
+    def __init__(self, weight, bias=None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+class _Quantized(nn.Module):
+    def __init__(self, bias, **tensors):
+        super().__init__()
+        for key, value in tensors.items():
+            self.register_buffer(key, value)
+        self.bias = bias
+
+
+class W8A16Linear(_Quantized):
+    def forward(self, x):
+        return quant.w8a16(x, self.weight, self.scale, self.bias)
+
+
+class W4A16Linear(_Quantized):
+    def __init__(self, bias, group_size, **tensors):
+        super().__init__(bias, **tensors)
+        self.group_size = group_size
+
+    def forward(self, x):
+        return quant.w4a16(x, self.weight, self.scales_and_zeros, self.group_size,
+                           getattr(self, "pre_quant_scale", None), self.bias)
+
+
+class FP8Linear(_Quantized):
+    def forward(self, x):
+        return quant.fp8(x, self.weight, self.scale, self.act_scale, getattr(self, "pre_quant_scale", None),
+                         self.bias).to(x.dtype)
+
+
+class W8A8Linear(_Quantized):
+    def forward(self, x):
+        return quant.w8a8(x, self.weight, self.scale, self.act_scale, self.pre_quant_scale, self.bias)
+
+
+class ConcatLinear(nn.Module):
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x):
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+class _NotFusable(Exception):
+    pass
+
+
+def _shared(parts, key):
+    first = parts[0][key]
+    if any(not torch.equal(p[key], first) for p in parts[1:]):
+        raise _NotFusable(key)
+    return first
+
+
+def _build(algo, parts, dtype, group_size, bias):
+    cat = lambda key: torch.cat([p[key] for p in parts])  # noqa: E731
+    pqs = _shared(parts, "prequant_scaling_factor") if "prequant_scaling_factor" in parts[0] else None
+    extra = {} if pqs is None else {"pre_quant_scale": pqs.to(dtype)}
+    if algo is None:
+        return Linear(cat("weight").to(dtype), bias)
+    if algo == "W8A16":
+        return W8A16Linear(bias, weight=cat("weight"), scale=cat("weights_scaling_factor").to(dtype))
+    if algo in INT4_ALGOS and algo != "W4A8_AWQ":
+        weight, scales_and_zeros = quant.int4_for_cpu(cat("weight"), cat("weights_scaling_factor"), group_size, dtype)
+        return W4A16Linear(bias, group_size, weight=weight, scales_and_zeros=scales_and_zeros, **extra)
+    act_scale = _shared(parts, "activation_scaling_factor").reshape(())
+    if algo == "W8A8_SQ_PER_CHANNEL":
+        return W8A8Linear(bias, weight=cat("weight"), act_scale=act_scale,
+                          scale=(act_scale * cat("weights_scaling_factor")).to(dtype), **extra)
+    if algo == "W4A8_AWQ":
+        # No CPU kernel takes int4 weights with fp8 activations: the int4 weights become the fp8
+        # ones they stand for (exactly) once, at build time.
+        weight = torch.cat([quant.w4a8_weight_fp8(p["weight"], p["weights_scaling_factor"],
+                                                  p["weights_scaling_factor_2"], group_size) for p in parts])
+        second = "weights_scaling_factor_2"
+    else:
+        weight, second = cat("weight"), "weights_scaling_factor"
+    rows = [p["weight"].shape[0] * (2 if algo == "W4A8_AWQ" else 1) for p in parts]
+    scales = [p[second].reshape(()) for p in parts]
+    if all(torch.equal(s, scales[0]) for s in scales):
+        scale = act_scale * scales[0]
+    else:
+        scale = act_scale * torch.cat([s.expand(n) for s, n in zip(scales, rows)])
+    return FP8Linear(bias, weight=weight, scale=scale, act_scale=act_scale, **extra)
+
+
+def make_linear(config: PretrainedConfig, weights: dict, names: list[str], bias=None) -> nn.Module:
+    """One layer for the checkpoint linears `names` (full names, sharing their input), fused where exact."""
+    algo, dtype, g = quant_algo_of(config, names[0]), torch_dtype(config.dtype), config.quantization.group_size
+    parts = [{key[len(n) + 1:]: t for key, t in weights.items() if key.startswith(n + ".") and key != n + ".bias"}
+             for n in names]
+    try:
+        return _build(algo, parts, dtype, g, bias)
+    except _NotFusable:
+        assert bias is None, "only qkv has a bias, and it is one checkpoint linear"
+        return ConcatLinear([_build(algo, [p], dtype, g, None) for p in parts])

@@ -1,0 +1,149 @@
+"""Quantized GEMMs and 8-bit KV storage, in the layouts NVIDIA ModelOpt exports for TensorRT-LLM.
+
+Each format has a reference (dequantize to float32, fake-quantize the activation with its static
+scale, matmul: the spec) and a fast CPU path on a PyTorch kernel that AOTInductor compiles:
+
+| quant_algo           | weight                | activation           | CPU kernel                              |
+|----------------------|-----------------------|----------------------|-----------------------------------------|
+| W8A16                | int8, scale [out]     | model dtype          | aten._weight_int8pack_mm                |
+| W4A16(_AWQ/_GPTQ)    | int4, scale [out, g]  | model dtype (* pqs)  | aten._weight_int4pack_mm_for_cpu        |
+| FP8                  | fp8, scale [1]        | fp8, static scale    | dense GEMM on exactly widened operands  |
+| W8A8_SQ_PER_CHANNEL  | int8, scale [out]     | int8, static (* pqs) | aten._weight_int8pack_mm, int8 x as ints|
+| W4A8_AWQ             | int4 -> fp8, 2 scales | fp8, static (* pqs)  | the FP8 path, on fp8 weights built once |
+
+int4 weights arrive packed two per byte along the output dim (ModelOpt's pack_int4_in_uint8):
+byte[o2, i] = q[2*o2, i] & 0xF | q[2*o2 + 1, i] << 4, q in [-8, 7], w ~ q[o, i] * scale[o, i // g].
+W4A8 adds a per-tensor second scale s2 and dequantizes as fp8(q * scale / s2) * s2: ModelOpt's
+fake quantization runs the int4 quantizer and then a per-tensor fp8 one over its output.
+"""
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+# -- element formats --------------------------------------------------------------------------
+
+def quantize_fp8(x, scale):
+    # Clamp first: a cast past 448 is not guaranteed to saturate in every backend's codegen.
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_int8(x, scale):
+    return (x.float() / scale).round().clamp(-128, 127).to(torch.int8)
+
+
+def quantize_to(x, scale, dtype):
+    return quantize_int8(x, scale) if dtype == torch.int8 else quantize_fp8(x, scale)
+
+
+def fake_quant(x, scale, dtype):
+    """x quantized to int8/fp8 with a static per-tensor scale and back, in float32."""
+    return quantize_to(x, scale, dtype).float() * scale
+
+
+def unpack_int4(packed):
+    """[out/2, in] int8 (two signed nibbles per byte along out) -> [out, in] int8 in [-8, 7]."""
+    packed = packed.view(torch.int8)
+    low = ((packed & 0xF) ^ 8) - 8  # sign-extend the low nibble
+    high = packed >> 4  # arithmetic shift sign-extends the high one
+    return torch.stack([low, high], dim=1).reshape(2 * packed.shape[0], packed.shape[1])
+
+
+def pack_int4(q):
+    """[out, in] int values in [-8, 7] -> ModelOpt's [out/2, in] int8 packing."""
+    q = q.to(torch.int8)
+    return ((q[0::2] & 0xF) | (q[1::2] << 4)).to(torch.int8)
+
+
+def dequantize_int4(packed, scale, group_size):
+    return unpack_int4(packed).float() * scale.float().repeat_interleave(group_size, dim=1)
+
+
+def w4a8_weight_fp8(packed, scale, scale_2, group_size):
+    """The fp8 weight a W4A8 GEMM multiplies by (times scale_2)."""
+    return quantize_fp8(dequantize_int4(packed, scale, group_size), scale_2.float())
+
+
+# -- references: the spec ---------------------------------------------------------------------
+
+def _ref_matmul(x, w, bias):
+    y = x.float() @ w.float().T
+    return y if bias is None else y + bias.float()
+
+
+def _smooth(x, pre_quant_scale):
+    return x if pre_quant_scale is None else x * pre_quant_scale.to(x.dtype)
+
+
+def ref_w8a16(x, weight, scale, bias=None):
+    return _ref_matmul(x, weight.float() * scale.float()[:, None], bias).to(x.dtype)
+
+
+def ref_w4a16(x, packed, scale, group_size, pre_quant_scale=None, bias=None):
+    return _ref_matmul(_smooth(x, pre_quant_scale), dequantize_int4(packed, scale, group_size), bias).to(x.dtype)
+
+
+def ref_fp8(x, weight, weight_scale, act_scale, bias=None):
+    xq = fake_quant(x, act_scale.float(), FP8)
+    return _ref_matmul(xq, weight.float() * weight_scale.float(), bias).to(x.dtype)
+
+
+def ref_w8a8(x, weight, weight_scale, act_scale, pre_quant_scale=None, bias=None):
+    xq = fake_quant(_smooth(x, pre_quant_scale), act_scale.float(), torch.int8)
+    return _ref_matmul(xq, weight.float() * weight_scale.float()[:, None], bias).to(x.dtype)
+
+
+def ref_w4a8(x, packed, scale, scale_2, act_scale, group_size, pre_quant_scale=None, bias=None):
+    xq = fake_quant(_smooth(x, pre_quant_scale), act_scale.float(), FP8)
+    w = w4a8_weight_fp8(packed, scale, scale_2, group_size).float() * scale_2.float()
+    return _ref_matmul(xq, w, bias).to(x.dtype)
+
+
+# -- build-time repacking into the CPU kernels' layouts ---------------------------------------
+
+def int4_for_cpu(packed, scale, group_size, dtype):
+    """ModelOpt int4 -> (_weight_int4pack_mm_for_cpu's weight, its scales_and_zeros in `dtype`).
+
+    The kernel reads unsigned nibbles u and dequantizes (u - 8) * scale + zero: symmetric q = u - 8
+    with zero 0."""
+    q = unpack_int4(packed).to(torch.int32) + 8
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scale = scale.float().T  # [in / g, out]
+    scales_and_zeros = torch.stack([scale, torch.zeros_like(scale)], dim=-1).to(dtype).contiguous()
+    return weight, scales_and_zeros
+
+
+# -- fast CPU paths ---------------------------------------------------------------------------
+
+def _bias(y, bias):
+    return y if bias is None else y + bias
+
+
+def w8a16(x, weight, scale, bias=None):
+    """weight int8 [out, in]; scale [out] in x's dtype."""
+    return _bias(torch.ops.aten._weight_int8pack_mm(x, weight, scale), bias)
+
+
+def w4a16(x, weight, scales_and_zeros, group_size, pre_quant_scale=None, bias=None):
+    """weight/scales_and_zeros from int4_for_cpu."""
+    x = _smooth(x, pre_quant_scale)
+    return _bias(torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, group_size, scales_and_zeros), bias)
+
+
+def fp8(x, weight, scale, act_scale, pre_quant_scale=None, bias=None):
+    """weight fp8 [out, in]; act_scale float32 0-d; scale = act_scale * weight scale, folded at build.
+
+    Both fp8 operands widen exactly to the model dtype, so this is the spec's math on a dense GEMM.
+    Measured on this CPU (AVX2): torch._scaled_mm and torch._int_mm run 10-50x slower than a bf16
+    GEMM of the same shape, so neither is used."""
+    xq = quantize_fp8(_smooth(x, pre_quant_scale), act_scale)
+    return _bias(torch.nn.functional.linear(xq.to(x.dtype), weight.to(x.dtype)) * scale, bias)
+
+
+def w8a8(x, weight, scale, act_scale, pre_quant_scale=None, bias=None):
+    """weight int8 [out, in]; scale [out] in x's dtype = act_scale * weight scale, folded at build.
+
+    The int8 activation rides the int8-weight kernel as exact small integers in x's dtype."""
+    xq = quantize_int8(_smooth(x, pre_quant_scale), act_scale)
+    return _bias(torch.ops.aten._weight_int8pack_mm(xq.to(x.dtype), weight, scale), bias)

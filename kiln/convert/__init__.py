@@ -1,7 +1,8 @@
 """HF model dir -> TensorRT-LLM unified checkpoint dir (`convert_checkpoint`).
 
 hf: reading HF config and safetensors; shard: TensorRT-LLM names and TP/PP splits;
-writer: staging and writing the checkpoint dir; cli: the command and `convert_checkpoint()`.
+writer: staging and writing the checkpoint dir; cli: the command and `convert_checkpoint()`;
+quantize: --qformat/--kv_cache_dtype (round-to-nearest, ModelOpt, GPTQ) and the accuracy report.
 """
 
 __all__ = ["convert_checkpoint", "CheckpointError"]

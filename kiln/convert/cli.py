@@ -5,10 +5,15 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import click
 
 from kiln.config import DTYPES, ConfigError
+from kiln.convert.quantize.formats import KV_CACHE_DTYPES, QFORMATS
+
+if TYPE_CHECKING:
+    from kiln.convert.quantize.pipeline import QuantOptions
 
 
 def convert_checkpoint(
@@ -18,12 +23,16 @@ def convert_checkpoint(
     tp_size: int = 1,
     pp_size: int = 1,
     progress: bool = False,
+    quant: "QuantOptions | None" = None,
+    log: Callable[[str], object] | None = None,
 ) -> Path:
     """Convert the HF model in `model_dir` into a checkpoint dir with tp_size * pp_size rank files.
 
-    dtype defaults to the HF config's torch_dtype (float32 when it has none). Raises ConfigError
-    (CheckpointError for weight problems) with a one-line message; on error nothing is left at
-    output_dir (an existing checkpoint there is kept).
+    dtype defaults to the HF config's torch_dtype (float32 when it has none). `quant`
+    (kiln.convert.quantize.pipeline.QuantOptions) quantizes weights and/or the KV cache and adds
+    quant_report.json when there is text to evaluate on. Raises ConfigError (CheckpointError for
+    weight problems) with a one-line message; on error nothing is left at output_dir (an existing
+    checkpoint there is kept).
     """
     # torch/safetensors are imported here, not at module level, so `--help` stays fast.
     from tqdm import tqdm
@@ -35,6 +44,8 @@ def convert_checkpoint(
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     hf = read_hf_config(model_dir)
     cfg = pretrained_config_from_hf(hf, dtype, tp_size, pp_size, where=model_dir / "config.json")
+    if quant is not None and quant.enabled:
+        return _convert_quantized(cfg, quant, model_dir, output_dir, log or (lambda _: None))
     check_output_dir(model_dir, output_dir)
     with HFWeights(model_dir) as weights:
         # Headers only: a missing tensor or wrong shape fails before anything is written.
@@ -43,6 +54,23 @@ def convert_checkpoint(
         with tqdm(total=sum(map(len, plans)), unit="tensor", desc="converting",
                   disable=not progress, file=sys.stderr, leave=False) as bar:
             write_checkpoint(cfg, weights, plans, model_dir, output_dir, on_tensor=bar.update)
+    return output_dir
+
+
+def _convert_quantized(cfg, quant, model_dir: Path, output_dir: Path, log) -> Path:
+    from kiln.convert.hf import HFWeights
+    from kiln.convert.quantize.pipeline import prepare, quantize, stage_tensors
+    from kiln.convert.quantize.report import REPORT_FILE
+    from kiln.convert.shard import source_shapes
+    from kiln.convert.writer import check_output_dir, write_ranks
+
+    cfg, texts = prepare(cfg, quant)
+    check_output_dir(model_dir, output_dir)
+    with HFWeights(model_dir) as weights:
+        weights.check(source_shapes(cfg))
+        tensors, report = quantize(cfg, quant, texts, weights, model_dir, log)
+    ranks = (stage_tensors(cfg, tensors, r) for r in range(cfg.mapping.pp_size))
+    write_ranks(cfg, ranks, model_dir, output_dir, {REPORT_FILE: report} if report else None)
     return output_dir
 
 
@@ -73,27 +101,74 @@ def summary(architecture: str, output_dir: Path, seconds: float) -> str:
               help="Tensor-parallel size: attention heads, MLP and vocab are split across this many ranks.")
 @click.option("--pp_size", type=int, default=1, show_default=True,
               help="Pipeline-parallel size: layers are split into this many consecutive stages.")
+@click.option("--qformat", type=click.Choice(QFORMATS), default=None,
+              help="Quantize the weights of every linear (lm_head and embedding stay unquantized): "
+                   "fp8 (FP8), int8_wo (W8A16), int4_wo (W4A16, round-to-nearest), int4_awq "
+                   "(W4A16_AWQ), int4_gptq (W4A16_GPTQ), w4a8_awq (W4A8_AWQ), int8_sq "
+                   "(W8A8_SQ_PER_CHANNEL). All but int8_wo/int4_wo calibrate with NVIDIA ModelOpt.")
+@click.option("--kv_cache_dtype", type=click.Choice(KV_CACHE_DTYPES), default=None,
+              help="Quantize the KV cache (per-layer scales from calibration); with or without --qformat.")
+@click.option("--group_size", type=int, default=128, show_default=True,
+              help="Inputs per int4 scale (int4_* and w4a8_awq); must divide every linear's input size.")
+@click.option("--calib_dataset", type=click.Path(path_type=Path), multiple=True,
+              help="Calibration text: a text file, a .jsonl file with a \"text\" field per line, or "
+                   "a directory of such files (.txt, .py, .md, ...). Repeatable. Windows of it not "
+                   "used for calibration are the accuracy report's text unless --eval_dataset is given.")
+@click.option("--calib_size", type=int, default=512, show_default=True,
+              help="Calibration samples (windows of --calib_max_seq_len tokens).")
+@click.option("--calib_max_seq_len", type=int, default=512, show_default=True,
+              help="Tokens per calibration sample and per evaluation window.")
+@click.option("--eval_dataset", type=click.Path(path_type=Path), multiple=True,
+              help="Held-out text for the accuracy report, in --calib_dataset's forms. Repeatable.")
+@click.option("--eval_size", type=int, default=64, show_default=True,
+              help="Evaluation windows for the accuracy report, spread over the text; 0: all.")
 @click.pass_context
 def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | None,
-         tp_size: int, pp_size: int) -> None:
+         tp_size: int, pp_size: int, qformat: str | None, kv_cache_dtype: str | None,
+         group_size: int, calib_dataset: tuple[Path, ...], calib_size: int, calib_max_seq_len: int,
+         eval_dataset: tuple[Path, ...], eval_size: int) -> None:
     """Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 model into a TensorRT-LLM-style unified
-    checkpoint with tp_size * pp_size rank files, ready for `engine-build`.
+    checkpoint with tp_size * pp_size rank files, ready for `engine-build`, optionally quantized.
 
     \b
-    Example:
+    Examples:
       convert_checkpoint --model_dir ./Llama-3.2-1B --output_dir ./ckpt \\
           --dtype bfloat16 --tp_size 2
+      convert_checkpoint --model_dir ./Llama-3.2-1B --output_dir ./ckpt-awq \\
+          --qformat int4_awq --kv_cache_dtype fp8 --calib_dataset ./texts/
     """
     from kiln.config import read_json
 
     start = time.perf_counter()
+    quant = None
+    if qformat or kv_cache_dtype:
+        from kiln.convert.quantize.pipeline import QuantOptions
+
+        quant = QuantOptions(qformat, kv_cache_dtype, group_size, list(calib_dataset) or None,
+                             calib_size, calib_max_seq_len, list(eval_dataset) or None, eval_size)
     try:
-        convert_checkpoint(model_dir, output_dir, dtype, tp_size, pp_size, progress=True)
+        convert_checkpoint(model_dir, output_dir, dtype, tp_size, pp_size, progress=True, quant=quant,
+                           log=lambda msg: click.echo(msg, err=True))
         arch = read_json(output_dir / "config.json")["architecture"]
     except (ConfigError, OSError) as e:  # OSError: disk full, permissions - one line, no traceback
         click.echo(f"error: {e}", err=True)
         ctx.exit(1)
+    if quant is not None:
+        _echo_report(output_dir)
     click.echo(summary(arch, output_dir, time.perf_counter() - start))
+
+
+def _echo_report(output_dir: Path) -> None:
+    import json
+
+    from kiln.convert.quantize.report import REPORT_FILE, summary_lines
+
+    path = output_dir / REPORT_FILE
+    if path.is_file():
+        for line in summary_lines(json.loads(path.read_text())):
+            click.echo(line)
+    else:
+        click.echo("no accuracy report: pass --calib_dataset or --eval_dataset to get one")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from kiln.config import PretrainedConfig, torch_dtype, write_json
 from kiln.convert.hf import CheckpointError
@@ -117,24 +117,42 @@ def write_checkpoint(
     One rank is built and saved before the next is started, so peak memory is about one output
     shard (plus the source slice being cast).
     """
+    dtype = torch_dtype(cfg.dtype)
+
+    def build(plan):
+        tensors = {}
+        for name, builder in plan:
+            # copy=True: safetensors may hand back views of its mmap, and two reads of one
+            # tensor (tied embedding and lm_head) would then share storage, which save refuses.
+            tensors[name] = builder(weights).to(dtype, copy=True).contiguous()
+            if on_tensor:
+                on_tensor(1)
+        return tensors
+
+    return write_ranks(cfg, (build(plan) for plan in plans), model_dir, output_dir)
+
+
+def write_ranks(
+    cfg: PretrainedConfig,
+    ranks: Iterable[dict],
+    model_dir: Path,
+    output_dir: Path,
+    extra_json: dict[str, dict] | None = None,
+) -> Path:
+    """Write each rank's tensors as they are (no casts: quantized checkpoints mix dtypes), plus
+    config.json, the tokenizer files and any extra JSON files, all staged and renamed into place."""
     from safetensors.torch import save_file
 
-    dtype = torch_dtype(cfg.dtype)
     with staged_dir(output_dir) as tmp:
         write_json(tmp / "config.json", cfg.to_dict())
         # safetensors creates files 0600; give rank files the umask-derived mode config.json got.
         mode = (tmp / "config.json").stat().st_mode & 0o777
-        for rank, plan in enumerate(plans):
-            tensors = {}
-            for name, build in plan:
-                # copy=True: safetensors may hand back views of its mmap, and two reads of one
-                # tensor (tied embedding and lm_head) would then share storage, which save refuses.
-                tensors[name] = build(weights).to(dtype, copy=True).contiguous()
-                if on_tensor:
-                    on_tensor(1)
+        for rank, tensors in enumerate(ranks):
             path = tmp / rank_file(rank)
             save_file(tensors, str(path), metadata={"format": "pt"})
             os.chmod(path, mode)
             del tensors
         copy_tokenizer_files(model_dir, tmp)
+        for name, data in (extra_json or {}).items():
+            write_json(tmp / name, data)
     return output_dir

@@ -1,0 +1,89 @@
+"""The quantization formats `convert_checkpoint` writes, named as TensorRT-LLM names them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.config import ConfigError, PretrainedConfig, QuantConfig
+
+
+@dataclass(frozen=True)
+class Format:
+    quant_algo: str
+    group_wise: bool  # int4 with one scale per `group_size` inputs
+    calibrated: bool  # needs activations (AWQ, GPTQ, SmoothQuant, FP8 activation scales)
+    pre_quant_scale: bool  # writes prequant_scaling_factor (the GEMM input is x * pqs)
+    modelopt_cfg: str  # the ModelOpt preset the format is made with
+    modelopt_algo: str  # the quant_algo ModelOpt's export reports for it
+
+
+FORMATS = {
+    "fp8": Format("FP8", False, True, False, "FP8_DEFAULT_CFG", "FP8"),
+    "int8_wo": Format("W8A16", False, False, False, "INT8_WEIGHT_ONLY_CFG", "W8A16"),
+    "int4_wo": Format("W4A16", True, False, False, "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "W4A16_AWQ"),
+    "int4_awq": Format("W4A16_AWQ", True, True, True, "INT4_AWQ_CFG", "W4A16_AWQ"),
+    # ModelOpt has no W4A16_GPTQ export: GPTQ weights are int4 blocks, exported under AWQ's name.
+    "int4_gptq": Format("W4A16_GPTQ", True, True, False, "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "W4A16_AWQ"),
+    "w4a8_awq": Format("W4A8_AWQ", True, True, True, "W4A8_AWQ_BETA_CFG", "W4A8_AWQ"),
+    "int8_sq": Format("W8A8_SQ_PER_CHANNEL", False, True, True, "INT8_SMOOTHQUANT_CFG",
+                      "W8A8_SQ_PER_CHANNEL"),
+}
+QFORMATS = tuple(FORMATS)
+KV_CACHE_ALGOS = {"fp8": "FP8", "int8": "INT8"}
+KV_CACHE_DTYPES = tuple(KV_CACHE_ALGOS)
+
+# The linears that are quantized, by TensorRT-LLM name; embedding and lm_head stay unquantized.
+LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
+
+
+def linear_prefixes(cfg: PretrainedConfig) -> list[str]:
+    return [f"transformer.layers.{i}.{p}" for i in range(cfg.num_hidden_layers) for p in LINEARS]
+
+
+def linear_shapes(cfg: PretrainedConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of every quantized linear of one layer, by its TensorRT-LLM name."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q_out, kv_out = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size
+    return {"attention.qkv": (q_out + 2 * kv_out, h), "attention.dense": (h, q_out),
+            "mlp.fc": (inter, h), "mlp.gate": (inter, h), "mlp.proj": (h, inter)}
+
+
+def quant_config(qformat: str | None, kv_cache_dtype: str | None, group_size: int) -> QuantConfig:
+    if qformat is None:
+        return QuantConfig(kv_cache_quant_algo=KV_CACHE_ALGOS.get(kv_cache_dtype))
+    fmt = FORMATS[qformat]
+    return QuantConfig(
+        quant_algo=fmt.quant_algo,
+        kv_cache_quant_algo=KV_CACHE_ALGOS.get(kv_cache_dtype),
+        group_size=group_size if fmt.group_wise else QuantConfig.group_size,
+        has_zero_point=False,
+        pre_quant_scale=fmt.pre_quant_scale,
+        exclude_modules=["lm_head"],
+    )
+
+
+def check_options(cfg: PretrainedConfig, qformat: str | None, kv_cache_dtype: str | None,
+                  group_size: int) -> None:
+    """Refuse, before any work, what the formats cannot represent for this model."""
+    if qformat is not None and qformat not in FORMATS:
+        raise ConfigError(f"--qformat {qformat!r} is not supported; expected one of {', '.join(QFORMATS)}")
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_ALGOS:
+        raise ConfigError(f"--kv_cache_dtype {kv_cache_dtype!r} is not supported; expected one of "
+                          f"{', '.join(KV_CACHE_DTYPES)}")
+    if cfg.mapping.tp_size > 1:
+        # Quantized tensors split differently from plain ones (packed int4 rows, per-group scales,
+        # one pre-quant scale shared by the fused qkv); until that is written, refuse rather than guess.
+        raise ConfigError(f"--tp_size {cfg.mapping.tp_size} with quantization is not supported; "
+                          f"quantize with --tp_size 1 (--pp_size may be > 1)")
+    if qformat is None or not FORMATS[qformat].group_wise:
+        return
+    if group_size < 1:
+        raise ConfigError(f"--group_size must be >= 1, got {group_size}")
+    for name, (out, inp) in linear_shapes(cfg).items():
+        if inp % group_size:
+            raise ConfigError(
+                f"--group_size {group_size} does not divide the input dimension {inp} of "
+                f"{name} (shape [{out}, {inp}]); choose a group size that divides "
+                f"{', '.join(map(str, sorted({s[1] for s in linear_shapes(cfg).values()})))}")
+        if out % 2:
+            raise ConfigError(f"{name} has an odd output dimension {out}; int4 weights are packed "
+                              f"two output rows per byte")

@@ -1,0 +1,157 @@
+"""The calibrated formats through NVIDIA ModelOpt: quantize a HF model, export it as a
+TensorRT-LLM checkpoint, and take its quantized tensors.
+
+ModelOpt's own config.json is not used: ours (from the HF config) is complete where ModelOpt's is
+not (rotary_scaling, qk_layernorm, tokenizer files), so only the quantized linears, their scales
+and the KV cache scales are taken from its export.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kiln.config import ConfigError
+from kiln.convert.quantize.formats import FORMATS, LINEARS
+from kiln.convert.quantize.gptq import gptq_algorithm
+
+# What this converter can take from a ModelOpt export, by the quant_algo ModelOpt reports.
+SUPPORTED_MODELOPT_ALGOS = {f.modelopt_algo for f in FORMATS.values()} | {None}
+SUPPORTED_MODELOPT_KV = {"FP8", "INT8", None}
+SCALE_SUFFIXES = ("weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor",
+                  "prequant_scaling_factor")
+KV_SCALES = ("kv_cache_scaling_factor", "k_cache_scaling_factor", "v_cache_scaling_factor")
+
+KV_QUANT_CFG = {
+    "fp8": {"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": (4, 3), "axis": None}},
+    "int8": {"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": 8, "axis": None}},
+}
+
+
+@contextlib.contextmanager
+def quiet():
+    """ModelOpt prints progress and warnings of its own; keep stdout for the report and summary."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _set_block_size(quant_cfg: list, group_size: int) -> None:
+    for entry in quant_cfg:
+        cfgs = entry.get("cfg")
+        for c in cfgs if isinstance(cfgs, list) else [cfgs] if cfgs else []:
+            if c.get("block_sizes"):
+                c["block_sizes"] = {**c["block_sizes"], -1: group_size}
+
+
+def modelopt_config(qformat: str | None, kv_cache_dtype: str | None, group_size: int) -> dict:
+    import modelopt.torch.quantization as mtq
+
+    if qformat is None:  # KV cache only: every weight and activation left alone
+        config = {"quant_cfg": [{"quantizer_name": "*", "enable": False}], "algorithm": "max"}
+    else:
+        config = copy.deepcopy(getattr(mtq, FORMATS[qformat].modelopt_cfg))
+        _set_block_size(config["quant_cfg"], group_size)
+        if qformat == "int4_gptq":
+            config["algorithm"] = gptq_algorithm(group_size)
+    if kv_cache_dtype is not None:
+        config["quant_cfg"] = list(config["quant_cfg"]) + [copy.deepcopy(KV_QUANT_CFG[kv_cache_dtype])]
+    return config
+
+
+def quantize_model(model, qformat: str | None, kv_cache_dtype: str | None, group_size: int,
+                   calib: list[torch.Tensor], batch_size: int = 8) -> None:
+    """Quantize `model` in place (fake-quant modules), calibrating on `calib` token windows."""
+    import modelopt.torch.quantization as mtq
+
+    from kiln.convert.quantize.calib import batches
+
+    calib_batches = batches(calib, batch_size)
+
+    def forward_loop(m):
+        for batch in calib_batches:
+            m(input_ids=batch)
+
+    with quiet(), torch.no_grad():
+        mtq.quantize(model, modelopt_config(qformat, kv_cache_dtype, group_size), forward_loop)
+
+
+def export(model, architecture: str, dtype: str, export_dir: Path) -> None:
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    decoder = "qwen" if architecture.startswith("Qwen") else "llama"
+    # ModelOpt exports unquantized tensors in fp16/bf16 only; which one matters for the
+    # pre-quant scales alone, which are cast to the checkpoint's dtype afterwards.
+    export_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+    with quiet(), torch.inference_mode():
+        export_tensorrt_llm_checkpoint(model, decoder, export_dtype, export_dir=export_dir,
+                                       inference_tensor_parallel=1)
+
+
+def read_export(export_dir: Path, expected_algo: str | None, num_layers: int,
+                dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The quantization section and quantized tensors of a ModelOpt TensorRT-LLM export.
+
+    Only linears' weights and scales and the KV cache scales are returned; everything else in
+    the export is ignored.
+    """
+    from safetensors.torch import load_file
+
+    path = export_dir / "config.json"
+    quant = (json.loads(path.read_text()).get("quantization") or {})
+    algo, kv = quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
+    if algo not in SUPPORTED_MODELOPT_ALGOS:
+        raise ConfigError(f"{path}: ModelOpt quant_algo {algo!r} is not supported; expected one of "
+                          f"{', '.join(sorted(a for a in SUPPORTED_MODELOPT_ALGOS if a))}")
+    if kv not in SUPPORTED_MODELOPT_KV:
+        raise ConfigError(f"{path}: ModelOpt kv_cache_quant_algo {kv!r} is not supported; expected "
+                          f"FP8 or INT8")
+    if algo != expected_algo:
+        raise ConfigError(f"{path}: ModelOpt exported quant_algo {algo!r}, expected {expected_algo!r}")
+    ranks = sorted(export_dir.glob("rank*.safetensors"))
+    if len(ranks) != 1:
+        raise ConfigError(f"{export_dir}: expected one rank file from ModelOpt, found {len(ranks)}")
+    exported = load_file(ranks[0])
+
+    wanted = []
+    for i in range(num_layers):
+        layer = f"transformer.layers.{i}."
+        wanted += [layer + f"attention.{s}" for s in KV_SCALES] if kv else []
+        if algo:
+            wanted += [layer + f"{p}.{s}" for p in LINEARS for s in ("weight",) + SCALE_SUFFIXES]
+    tensors = {}
+    for name in wanted:
+        if name in exported:
+            t = exported[name]
+            tensors[name] = t.to(dtype) if name.endswith("prequant_scaling_factor") else t
+    missing = [n for n in wanted if n.endswith((".weight", ".kv_cache_scaling_factor"))
+               and n not in tensors]
+    if missing:
+        raise ConfigError(f"{ranks[0]}: ModelOpt export lacks {missing[0]}")
+    return quant, tensors
+
+
+def quantize_and_export(model, architecture: str, qformat: str | None, kv_cache_dtype: str | None,
+                        group_size: int, calib: list[torch.Tensor], num_layers: int, dtype: str,
+                        log: Callable[[str], object] = lambda _: None) -> dict[str, torch.Tensor]:
+    from kiln.config import torch_dtype
+
+    what = " + ".join(x for x in (qformat, kv_cache_dtype and f"{kv_cache_dtype} KV cache") if x)
+    tokens = sum(len(w) for w in calib)
+    log(f"calibrating {what} with ModelOpt on {len(calib)} sample(s), {tokens:,} tokens")
+    quantize_model(model, qformat, kv_cache_dtype, group_size, calib)
+    expected = FORMATS[qformat].modelopt_algo if qformat else None
+    with tempfile.TemporaryDirectory(prefix="kiln-modelopt-") as tmp:
+        export(model, architecture, dtype, Path(tmp))
+        _, tensors = read_export(Path(tmp), expected, num_layers, torch_dtype(dtype))
+    if qformat and not FORMATS[qformat].pre_quant_scale:
+        # GPTQ and plain int4 go out under AWQ's name; a pre-quant scale there could only be ones.
+        tensors = {k: v for k, v in tensors.items() if not k.endswith("prequant_scaling_factor")}
+    return tensors

@@ -1,0 +1,152 @@
+"""From a HF model dir to a quantized checkpoint's tensors and its accuracy report."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from kiln.config import ConfigError, Mapping, PretrainedConfig, torch_dtype
+from kiln.convert.quantize.calib import make_split, read_texts
+from kiln.convert.quantize.formats import FORMATS, check_options, linear_prefixes, quant_config
+
+Dataset = str | Path | Sequence[str | Path] | None
+
+
+@dataclass
+class QuantOptions:
+    qformat: str | None = None
+    kv_cache_dtype: str | None = None
+    group_size: int = 128
+    calib_dataset: Dataset = None
+    calib_size: int = 512
+    calib_max_seq_len: int = 512
+    eval_dataset: Dataset = None
+    eval_size: int = 64  # evaluation windows; 0: all of them
+
+    @property
+    def enabled(self) -> bool:
+        return self.qformat is not None or self.kv_cache_dtype is not None
+
+    @property
+    def calibrated(self) -> bool:
+        # KV cache scales come from the K/V values seen in calibration.
+        return self.kv_cache_dtype is not None or FORMATS[self.qformat].calibrated
+
+
+@dataclass
+class Prepared:
+    calib_texts: list[str] | None
+    eval_texts: list[str] | None
+
+
+def prepare(cfg: PretrainedConfig, opts: QuantOptions) -> tuple[PretrainedConfig, Prepared]:
+    """Check the options and read the datasets: every bad input fails here, before any work."""
+    check_options(cfg, opts.qformat, opts.kv_cache_dtype, opts.group_size)
+    for name in ("calib_size", "calib_max_seq_len"):
+        if getattr(opts, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1, got {getattr(opts, name)}")
+    if opts.calibrated and opts.calib_dataset is None:
+        what = opts.qformat or f"--kv_cache_dtype {opts.kv_cache_dtype}"
+        raise ConfigError(f"{what} needs calibration data: pass --calib_dataset (a text or .jsonl file, "
+                          f"or a directory of files)")
+    texts = Prepared(
+        calib_texts=read_texts(opts.calib_dataset) if opts.calib_dataset is not None else None,
+        eval_texts=read_texts(opts.eval_dataset, "evaluation") if opts.eval_dataset is not None else None,
+    )
+    quantized = dataclasses.replace(cfg, quantization=quant_config(opts.qformat, opts.kv_cache_dtype,
+                                                                   opts.group_size))
+    return quantized, texts
+
+
+def _load_hf(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    # float32 whatever the weights' dtype: calibration and the report's reference in full precision.
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def quantize(cfg: PretrainedConfig, opts: QuantOptions, texts: Prepared, weights, model_dir: Path,
+             log: Callable[[str], object] = lambda _: None) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """All tensors of the (unsharded) quantized checkpoint, and the accuracy report (None when
+    there was no text to evaluate on)."""
+    from kiln.convert.quantize import report as rep
+    from kiln.convert.quantize.rtn import quantize_linear
+    from kiln.convert.shard import rank_plan
+
+    start = time.perf_counter()
+    single = dataclasses.replace(cfg, mapping=Mapping())
+    base = {name: build(weights) for name, build in rank_plan(single, 0)}
+    dtype = torch_dtype(cfg.dtype)
+    algo, group = cfg.quantization.quant_algo, cfg.quantization.group_size
+
+    split = None
+    if texts.calib_texts is not None or texts.eval_texts is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        split = make_split(tokenizer, texts.calib_texts, texts.eval_texts, opts.calib_size,
+                           opts.calib_max_seq_len, opts.eval_size)
+
+    quant_model = ref_model = None
+    if opts.calibrated:
+        from kiln.convert.quantize.modelopt import quantize_and_export
+
+        quant_model = _load_hf(model_dir)
+        ref_model = copy.deepcopy(quant_model) if split.eval else None
+        quantized = quantize_and_export(quant_model, cfg.architecture, opts.qformat, opts.kv_cache_dtype,
+                                        group, split.calib, cfg.num_hidden_layers, cfg.dtype, log)
+        method = f"ModelOpt {FORMATS[opts.qformat].modelopt_cfg if opts.qformat else 'KV cache'}"
+    else:
+        log(f"quantizing {opts.qformat} by round-to-nearest (no calibration)")
+        quantized = {}
+        for prefix in linear_prefixes(cfg):
+            for suffix, t in quantize_linear(base[prefix + ".weight"], algo, group).items():
+                quantized[f"{prefix}.{suffix}"] = t
+        method = "round-to-nearest (no calibration)"
+
+    replaced = {p + ".weight" for p in linear_prefixes(cfg)} if algo else set()
+    tensors = {name: t.to(dtype, copy=True).contiguous() for name, t in base.items() if name not in replaced}
+    tensors.update({name: t.contiguous() for name, t in quantized.items()})
+
+    report = None
+    if split is not None and split.eval:
+        log(f"evaluating against the unquantized model on {len(split.eval)} window(s)")
+        if quant_model is None:
+            ref_model, quant_model = _load_hf(model_dir), _load_hf(model_dir)
+            rep.load_dequantized(quant_model, tensors, algo, group, cfg.num_hidden_layers)
+        from kiln.convert.quantize.modelopt import quiet
+
+        with quiet():
+            metrics = rep.compare(ref_model, quant_model, split.eval)
+        q = cfg.quantization
+        report = {
+            "qformat": opts.qformat, "kv_cache_dtype": opts.kv_cache_dtype, "quant_algo": q.quant_algo,
+            "kv_cache_quant_algo": q.kv_cache_quant_algo,
+            "group_size": q.group_size if opts.qformat and FORMATS[opts.qformat].group_wise else None,
+            "method": method, "calib_samples": len(split.calib),
+            "calib_tokens": sum(len(w) for w in split.calib), "calib_max_seq_len": opts.calib_max_seq_len,
+            "eval_source": split.eval_source, "eval_windows": len(split.eval),
+            "compute_dtype": "float32", **metrics,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+    return tensors, report
+
+
+def stage_tensors(cfg: PretrainedConfig, tensors: dict[str, torch.Tensor], pp_rank: int) -> dict:
+    """The tensors pipeline stage `pp_rank` holds (tp is 1 for quantized checkpoints)."""
+    layers = cfg.layers_of(pp_rank)
+    last = pp_rank == cfg.mapping.pp_size - 1
+
+    def held(name: str) -> bool:
+        if name.startswith("transformer.layers."):
+            return int(name.split(".")[2]) in layers
+        if name == "transformer.vocab_embedding.weight":
+            return pp_rank == 0
+        return last  # ln_f, lm_head
+
+    return {name: t for name, t in tensors.items() if held(name)}

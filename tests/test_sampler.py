@@ -328,3 +328,23 @@ def test_compute_prompt_logprobs():
     assert compute_prompt_logprobs(logits[:0], [], 2) == []
     with pytest.raises(ValueError, match="next_token_ids"):
         compute_prompt_logprobs(logits, [1, 2], 2)
+
+
+@pytest.mark.parametrize("vocab", [50, 5000])
+def test_top_p_nucleus_equals_the_full_sort(vocab):
+    """The partial top-k search for the nucleus keeps exactly what sorting the whole vocabulary keeps,
+    for peaked rows (nucleus among the first candidates) and flat ones (it is not)."""
+    from kiln.runtime.sampler import top_p_drop
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat([torch.randn(4, vocab, generator=g) * 8, torch.randn(4, vocab, generator=g) * 0.1])
+    top_p = torch.tensor([0.5, 0.9, 0.99, 1.0] * 2)
+    probs = logits.softmax(-1)
+    srt, order = probs.sort(-1, descending=True)
+    keep = srt.cumsum(-1) - srt < top_p[:, None]
+    keep[:, 0] = True
+    keep[top_p >= 1] = True
+    expected = torch.empty_like(keep).scatter_(1, order, ~keep)
+    drop = top_p_drop(logits, top_p)
+    assert torch.equal(drop, expected)
+    assert (~drop[4:7]).sum(-1).min() > 1024 or vocab < 1024  # flat rows reach past the candidates

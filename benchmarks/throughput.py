@@ -12,6 +12,7 @@ batched generate needs no padding.
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -103,6 +104,47 @@ def prefill_hf(model, length, vocab, repeats=3):
     return length * repeats / (time.perf_counter() - start)
 
 
+def decode_seconds_at(llm, context, vocab, new_tokens=33):
+    """Seconds per decoded token of one sequence whose context is `context` tokens long."""
+    from kiln import SamplingParams
+
+    ids = [{"prompt_token_ids": prompts(1, context, vocab, seed=2)[0]}]
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0]
+    return out.metrics.time_per_output_token
+
+
+def mixed_step(engine, vocab, prefill_len=512, num_decodes=15, input_len=128, repeats=3):
+    """Seconds of one step holding a prefill_len prefill and num_decodes decodes, against a step with
+    the prefill alone and a decode step at batch num_decodes: (mixed, prefill, decode)."""
+    from kiln import SamplingParams
+
+    def timed_step():
+        start = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - start
+
+    long_params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    long_prompt = {"prompt_token_ids": prompts(1, prefill_len, vocab, seed=3)[0]}
+    prefill = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        engine.add_request(long_prompt, long_params)
+        prefill.append(timed_step())
+    params = SamplingParams(temperature=0, max_tokens=4 * repeats + 8, ignore_eos=True)
+    decoders = [engine.add_request({"prompt_token_ids": p}, params).request_id
+                for p in prompts(num_decodes, input_len, vocab, seed=4)]
+    engine.step()  # their prefill: from here on they decode
+    decode, mixed = [], []
+    for _ in range(repeats + 1):
+        decode.append(timed_step())
+        rid = engine.add_request(long_prompt, long_params).request_id
+        mixed.append(timed_step())
+        engine.abort(rid)
+    for rid in decoders:
+        engine.abort(rid)
+    median = lambda xs: sorted(xs[1:])[len(xs[1:]) // 2]  # noqa: E731
+    return median(mixed), median(prefill), median(decode)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf_dir", type=Path, help="HF model dir to use instead of the random SmolLM-135M shape")
@@ -119,6 +161,10 @@ def main():
     ap.add_argument("--input_len", type=int, default=128)
     ap.add_argument("--output_len", type=int, default=128)
     ap.add_argument("--prefill_len", type=int, default=512)
+    ap.add_argument("--long_context", type=int, default=4096,
+                    help="batch-1 decode is also timed at this context length, against --input_len (0: skip)")
+    ap.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure memory bandwidth and report batch-1 decode as a fraction of it")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--skip_hf", action="store_true")
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -142,18 +188,20 @@ def main():
         suffix += f"_{args.attention}"
     engine_dir = work / f"engine_{args.backend}_{args.dtype}{suffix}"
     max_batch = max(args.batch)
-    build_seconds = None
+    build_seconds = build_rss_mb = None
     if args.rebuild or not (engine_dir / "config.json").exists():
         ckpt = convert_checkpoint(hf_dir, work / f"ckpt_{args.dtype}", dtype=args.dtype)
-        build = BuildConfig(max_batch_size=max(max_batch, 2), max_input_len=max(args.input_len, args.prefill_len),
-                            max_seq_len=max(args.input_len + args.output_len, args.prefill_len + 1),
-                            max_num_tokens=max(max_batch * args.input_len, args.prefill_len),
+        longest = max(args.input_len, args.prefill_len, args.long_context)
+        build = BuildConfig(max_batch_size=max(max_batch, 2), max_input_len=longest,
+                            max_seq_len=max(args.input_len + args.output_len, longest + 64),
+                            max_num_tokens=max(max_batch * args.input_len, longest),
                             tokens_per_block=32, backend=args.backend, max_autotune=args.max_autotune)
         if args.attention:
             build.plugin_config["gpt_attention_plugin"] = {"inline": None, "cpp": "cpp"}[args.attention]
         start = time.perf_counter()
         build_engine(ckpt, engine_dir, build, log=lambda m: print(m, file=sys.stderr))
         build_seconds = time.perf_counter() - start
+        build_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     llm = LLM(engine_dir)
     vocab = llm.llm_engine.model_config.vocab_size
@@ -169,6 +217,22 @@ def main():
     ours = prefill_kiln(llm, args.prefill_len, vocab)
     theirs = prefill_hf(hf, args.prefill_len, vocab) if hf else None
     results["prefill"][args.prefill_len] = {"kiln": ours, "hf": theirs}
+    if args.long_context:
+        short = decode_seconds_at(llm, args.input_len, vocab)
+        long = decode_seconds_at(llm, args.long_context, vocab)
+        results["long_context"] = {"context": args.long_context, "short_s": short, "long_s": long}
+    if args.prefill_len + 15 <= llm.llm_engine.max_num_tokens and max_batch >= 16:
+        mixed, pre, dec = mixed_step(llm.llm_engine, vocab, args.prefill_len, 15, args.input_len)
+        results["mixed_step"] = {"mixed_s": mixed, "prefill_s": pre, "decode15_s": dec}
+    if args.roofline:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from roofline import bandwidth, decode_bytes_per_token
+
+        threads = results["threads"]
+        roof = max(v for t in sorted({1, threads}) for v in bandwidth(1.0, t).values())
+        torch.set_num_threads(threads)
+        moved = decode_bytes_per_token(llm.llm_engine.engine, args.input_len + args.output_len // 2)
+        results["roofline"] = {"gb_s": roof, "batch1_gb_s": moved * results["decode"][min(args.batch)]["kiln"] / 1e9}
 
     def row(label, r):
         ratio = f"{r['kiln'] / r['hf']:.2f}x" if r["hf"] else "-"
@@ -181,9 +245,24 @@ def main():
         row(f"decode batch {batch} ({args.input_len}+{args.output_len})", r)
     for length, r in results["prefill"].items():
         row(f"prefill {length} tokens", r)
+    if "long_context" in results:
+        r = results["long_context"]
+        print(f"batch-1 decode at {r['context']} tokens of context: {r['long_s'] * 1e3:.1f} ms/token, "
+              f"{r['long_s'] / r['short_s']:.2f}x the {args.input_len}-token context's {r['short_s'] * 1e3:.1f} ms")
+    if "mixed_step" in results:
+        r = results["mixed_step"]
+        print(f"mixed step ({args.prefill_len}-token prefill + 15 decodes): {r['mixed_s'] * 1e3:.1f} ms = "
+              f"{r['mixed_s'] / (r['prefill_s'] + r['decode15_s']):.2f}x (prefill alone "
+              f"{r['prefill_s'] * 1e3:.1f} ms + decode step at batch 15 {r['decode15_s'] * 1e3:.1f} ms)")
+    if "roofline" in results:
+        r = results["roofline"]
+        print(f"roofline: {r['gb_s']:.1f} GB/s; batch-{min(args.batch)} decode moves {r['batch1_gb_s']:.1f} GB/s "
+              f"= {r['batch1_gb_s'] / r['gb_s']:.0%}")
     if build_seconds is not None:
         autotune = llm.llm_engine.build_config.max_autotune
-        print(f"engine build: {build_seconds:.1f}s ({args.backend}{', max-autotune' if autotune else ''})")
+        size = sum(f.stat().st_size for f in engine_dir.iterdir()) / 2**20
+        print(f"engine build: {build_seconds:.1f}s, peak RSS {build_rss_mb:.0f} MB, {size:.0f} MB "
+              f"({args.backend}{', max-autotune' if autotune else ''})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

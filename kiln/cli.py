@@ -6,7 +6,7 @@ import click
 
 from kiln.build.cli import main as build_command
 from kiln.convert.cli import main as convert_command
-from kiln.serve.cli import serve as serve_command
+from kiln.serve.cli import THREADS_HELP, serve as serve_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,7 +28,7 @@ cli.add_command(serve_command, "serve")
 @click.argument("more_files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--max_len", type=int, default=None,
               help="Window length in tokens (default and upper bound: the engine's max_input_len).")
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: torch's).")
+@click.option("--threads", type=int, default=None, help=THREADS_HELP)
 def eval_ppl(engine_dir, files, more_files, max_len, threads):
     """Perplexity of text files through the engine (prompt log-probabilities, in windows)."""
     from pathlib import Path
@@ -62,7 +62,7 @@ def eval_ppl(engine_dir, files, more_files, max_len, threads):
 @click.option("--repetition_penalty", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Per-request seed for reproducible sampling.")
 @click.option("--stop", multiple=True, help="Stop string; repeatable.")
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: torch's, i.e. all cores).")
+@click.option("--threads", type=int, default=None, help=THREADS_HELP)
 def run(engine_dir, prompts, threads, stop, **sampling):
     """Generate from an engine dir, streaming each prompt's text to the terminal."""
     from kiln.runtime.llm_engine import LLMEngine

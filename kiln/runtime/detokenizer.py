@@ -13,6 +13,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # Looked up once: transformers rebuilds its special-token list on every skip_special_tokens call.
+        self.special_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         self.tokens = tokenizer.convert_ids_to_tokens(prompt_token_ids[-PROMPT_CONTEXT:],
                                                       skip_special_tokens=skip_special_tokens)
         self.prefix_offset = max(len(self.tokens) - PROMPT_CONTEXT, 0)
@@ -21,8 +23,9 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the text it completes (possibly empty)."""
-        self.tokens.extend(self.tokenizer.convert_ids_to_tokens(
-            [token_id], skip_special_tokens=self.skip_special_tokens))
+        if token_id in self.special_ids:
+            return ""
+        self.tokens.append(self.tokenizer.convert_ids_to_tokens(token_id))
         return self._advance(final=False)
 
     def flush(self) -> str:

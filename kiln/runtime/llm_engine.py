@@ -13,6 +13,7 @@ from kiln.runtime.sampler import SampleRow, Sampler, compute_prompt_logprobs, ma
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import Request, Sequence
+from kiln.runtime.threads import configure_threads
 
 
 def load_tokenizer(engine_dir):
@@ -27,8 +28,7 @@ class LLMEngine:
                  max_num_tokens: int | None = None, kv_cache_free_mem_fraction: float | None = None,
                  max_tokens_in_paged_kv_cache: int | None = None, threads: int | None = None,
                  tokenizer=None):
-        if threads:
-            torch.set_num_threads(threads)
+        self.threads = configure_threads(threads)
         self.engine = Engine(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
         build = self.engine.config.build_config
         self.build_config = build

@@ -13,6 +13,9 @@ from pathlib import Path
 import click
 import uvicorn
 
+THREADS_HELP = ("Intra-op threads (default: $OMP_NUM_THREADS, else the cores this process may use, "
+                "within its CPU affinity and cgroup quota).")
+
 log = logging.getLogger("kiln.serve")
 
 
@@ -45,7 +48,7 @@ def _both(name: str) -> tuple[str, str]:
 @click.option(*_both("kv_cache_free_mem_fraction"), type=float, default=None,
               help="Fraction of free memory for the KV cache.")
 @click.option(*_both("max_tokens_in_paged_kv_cache"), type=int, default=None, help="KV cache size in tokens.")
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: torch's).")
+@click.option("--threads", type=int, default=None, help=THREADS_HELP)
 @click.option(*_both("log_level"), type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @click.option("--access_log/--no_access_log", "--access-log/--no-access-log", default=True, show_default=True)

@@ -16,12 +16,12 @@ import torch
 PHASES = ("schedule", "plan", "engine", "sample", "rest")
 
 
-def profile(engine, batch: int, input_len: int, steps: int) -> dict[str, float]:
+def profile(engine, batch: int, input_len: int, steps: int, **sampling) -> dict[str, float]:
     from kiln import SamplingParams
     from kiln.runtime import llm_engine as mod
 
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    params = SamplingParams(**{"temperature": 0, **sampling}, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         engine.add_request({"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(input_len)]},
                            params)
@@ -69,6 +69,8 @@ def main():
     ap.add_argument("--input_len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top_p", type=float, default=1.0)
     args = ap.parse_args()
 
     from kiln.runtime.llm_engine import LLMEngine
@@ -76,8 +78,9 @@ def main():
     engine = LLMEngine(args.engine_dir, threads=args.threads)
     print(f"{'batch':>5} {'step ms':>8} " + " ".join(f"{p:>14}" for p in PHASES) + f" {'host':>14}")
     for batch in args.batch:
-        profile(engine, batch, args.input_len, 4)  # warm-up
-        r = profile(engine, batch, args.input_len, args.steps)
+        sampling = dict(temperature=args.temperature, top_p=args.top_p)
+        profile(engine, batch, args.input_len, 4, **sampling)  # warm-up
+        r = profile(engine, batch, args.input_len, args.steps, **sampling)
         host = r["step"] - r["engine"]
         cells = " ".join(f"{r[p]:>6.2f} ({r[p] / r['step']:>4.0%})" for p in PHASES)
         print(f"{batch:>5} {r['step']:>8.2f} {cells} {host:>6.2f} ({host / r['step']:>4.0%})")

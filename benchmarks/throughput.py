@@ -197,7 +197,7 @@ def main():
                             max_num_tokens=max(max_batch * args.input_len, longest),
                             tokens_per_block=32, backend=args.backend, max_autotune=args.max_autotune)
         if args.attention:
-            build.plugin_config["gpt_attention_plugin"] = {"inline": None, "cpp": "cpp"}[args.attention]
+            build.plugin_config["gpt_attention_plugin"] = args.attention
         start = time.perf_counter()
         build_engine(ckpt, engine_dir, build, log=lambda m: print(m, file=sys.stderr))
         build_seconds = time.perf_counter() - start

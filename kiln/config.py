@@ -205,10 +205,11 @@ class BuildConfig:
     kv_cache_dtype: str | None = None  # None: the model's dtype
     backend: str = "aoti"
     max_autotune: bool | None = None  # None: on where it pays (aoti with bf16/fp16 weights)
-    # TensorRT-LLM's names. None: trace the op inline for the backend's compiler to fuse (fastest
-    # under AOTInductor on CPU); "auto": keep it a kiln:: plugin node in the graph. For
+    # TensorRT-LLM's names. None or "inline": trace the op inline for the backend's compiler to fuse
+    # (fastest under AOTInductor on CPU); "auto": keep it a kiln:: plugin node in the graph. For
     # gpt_attention_plugin, "cpp": the C++ paged-attention op (torch.ops.kiln_cpp, kiln/plugins/cpp.py),
-    # which reads the KV pages in place and runs in AOTInductor packages without Python.
+    # which reads the KV pages in place and runs in AOTInductor packages without Python; None there
+    # lets the builder choose (cpp for aoti unless the KV cache is 8-bit, else inline).
     plugin_config: dict = field(default_factory=lambda: {
         "gpt_attention_plugin": None, "rmsnorm_plugin": None, "rope_plugin": None, "swiglu_plugin": None,
     })

@@ -19,6 +19,10 @@ BUILD_OPTIONS = [
     click.option("--max_autotune/--no_max_autotune", default=None,
                  help="aoti: benchmark GEMM kernels while compiling (a longer build; 2-3x faster bf16/fp16 "
                       "GEMMs on CPU). Default: on for bf16/fp16 checkpoints, off for float32."),
+    click.option("--gpt_attention_plugin", type=click.Choice(["cpp", "inline", "auto"]), default=None,
+                 help="Paged attention as the C++ plugin (reads KV pages in place), traced inline for the "
+                      "compiler, or the kiln:: Python op (debugging). Default: cpp for aoti, inline for "
+                      "eager and for 8-bit KV caches."),
     click.option("--workers", type=int, default=1, show_default=True,
                  help="Ranks compiled in parallel; this release builds single-rank engines, so one is used."),
 ]
@@ -39,7 +43,7 @@ def build_options(f):
               help="Dir to copy the tokenizer files from. Default: the checkpoint dir (ModelOpt exports have "
                    "none: pass the HF model dir).")
 @build_options
-def main(checkpoint_dir, output_dir, workers, tokenizer_dir, **options):
+def main(checkpoint_dir, output_dir, workers, tokenizer_dir, gpt_attention_plugin, **options):
     """Compile a Kiln/TensorRT-LLM checkpoint into a serialized engine dir.
 
     The output is written to a temporary dir beside OUTPUT_DIR and renamed into place when
@@ -48,6 +52,8 @@ def main(checkpoint_dir, output_dir, workers, tokenizer_dir, **options):
     from kiln.build.builder import build_engine
 
     try:
-        build_engine(checkpoint_dir, output_dir, BuildConfig(**options), log=click.echo, tokenizer_dir=tokenizer_dir)
+        build = BuildConfig(**options)
+        build.plugin_config["gpt_attention_plugin"] = gpt_attention_plugin
+        build_engine(checkpoint_dir, output_dir, build, log=click.echo, tokenizer_dir=tokenizer_dir)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None

@@ -23,7 +23,7 @@ class _Ops:
 
     def __init__(self, plugin_config: dict):
         def pick(key, name):
-            return getattr(ops if plugin_config.get(key) else cpu, name)
+            return getattr(ops if plugin_config.get(key) not in (None, "inline") else cpu, name)
 
         self.rms_norm = pick("rmsnorm_plugin", "rms_norm")
         self.fused_add_rms_norm = pick("rmsnorm_plugin", "fused_add_rms_norm")

@@ -15,17 +15,20 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         # Looked up once: transformers rebuilds its special-token list on every skip_special_tokens call.
         self.special_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
-        self.tokens = tokenizer.convert_ids_to_tokens(prompt_token_ids[-PROMPT_CONTEXT:],
-                                                      skip_special_tokens=skip_special_tokens)
+        self.tokens = [t for t in tokenizer.convert_ids_to_tokens(prompt_token_ids[-PROMPT_CONTEXT:],
+                                                                  skip_special_tokens=skip_special_tokens)
+                       if t is not None]
         self.prefix_offset = max(len(self.tokens) - PROMPT_CONTEXT, 0)
         self.read_offset = len(self.tokens)
         self.text = ""
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the text it completes (possibly empty)."""
-        if token_id in self.special_ids:
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        # None: an id past the tokenizer's vocabulary (a model whose vocab is padded, as Qwen2's is)
+        if token_id in self.special_ids or token is None:
             return ""
-        self.tokens.append(self.tokenizer.convert_ids_to_tokens(token_id))
+        self.tokens.append(token)
         return self._advance(final=False)
 
     def flush(self) -> str:

@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--input_len", type=int, default=128)
     ap.add_argument("--output_len", type=int, default=64)
     ap.add_argument("--prefill_len", type=int, default=256)
+    ap.add_argument("--reuse", action="store_true", help="measure engines already built in --work_dir again")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -88,13 +89,15 @@ def main():
         qformat = None if qformat == "none" else qformat
         quant = QuantOptions(qformat, kv or None, args.group_size, calib, args.calib_size, 256, evaluation, 64)
         ckpt, engine_dir = work / f"ckpt_{run}", work / f"engine_{run}"
-        start = time.perf_counter()
-        convert_checkpoint(hf_dir, ckpt, dtype="bfloat16", quant=quant if quant.enabled else None,
-                           log=lambda m: print(f"  {m}", file=sys.stderr))
-        convert_s = time.perf_counter() - start
-        start = time.perf_counter()
-        build_engine(ckpt, engine_dir, BuildConfig(**build), log=lambda m: print(f"  {m}", file=sys.stderr))
-        build_s = time.perf_counter() - start
+        convert_s = build_s = None
+        if not (args.reuse and (engine_dir / "config.json").exists()):
+            start = time.perf_counter()
+            convert_checkpoint(hf_dir, ckpt, dtype="bfloat16", quant=quant if quant.enabled else None,
+                               log=lambda m: print(f"  {m}", file=sys.stderr))
+            convert_s = time.perf_counter() - start
+            start = time.perf_counter()
+            build_engine(ckpt, engine_dir, BuildConfig(**build), log=lambda m: print(f"  {m}", file=sys.stderr))
+            build_s = time.perf_counter() - start
         llm = LLM(engine_dir)
         engine = llm.llm_engine.engine
         report_path = ckpt / "quant_report.json"
@@ -120,7 +123,7 @@ def main():
             return f"{fmt.format(r[key])} ({r[key] / base[key]:.2f}x)"
         ppl = "-" if r["ppl_increase_pct"] is None else f"{r['ppl_increase_pct']:+.2f}%"
         print(f"| {r['run']} | {cell('engine_mb')} | {cell('kv_bytes_per_token', '{:d}')} | {cell('decode_b1')} | "
-              f"{cell('decode_b16')} | {cell('prefill')} | {ppl} | {r['build_s']:.0f} |")
+              f"{cell('decode_b16')} | {cell('prefill')} | {ppl} | {r['build_s'] or 0:.0f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

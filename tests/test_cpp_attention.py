@@ -277,7 +277,7 @@ def test_aoti_package_runs_without_kilns_python(tiny_package, tmp_path):
 
 # --------------------------------------------------------------------------- end to end
 
-CPP_PLUGINS = {"gpt_attention_plugin": "cpp", "rmsnorm_plugin": None, "rope_plugin": None, "swiglu_plugin": None}
+CPP_PLUGINS = {"gpt_attention_plugin": "cpp", "gemm_plugin": "inline", "rmsnorm_plugin": None, "rope_plugin": None, "swiglu_plugin": None}
 NEW_TOKENS = 24
 
 

@@ -120,10 +120,16 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
             raise ConfigError(f"kv_cache_dtype {build.kv_cache_dtype!r} contradicts the checkpoint's "
                               f"kv_cache_quant_algo {kv_algo} ({real})")
         build.kv_cache_dtype = real
+    if build.plugin_config.get("gemm_plugin") is None:
+        # Measured (benchmarks/throughput.py, SmolLM-135M shape, bf16): see README "Performance".
+        # float32 keeps ATen's GEMMs (MKL), as fast as the plugin there.
+        use_cpp = build.backend == "aoti" and (pretrained.dtype != "float32" or bool(pretrained.quantization.quant_algo))
+        build.plugin_config["gemm_plugin"] = "cpp" if use_cpp else "inline"
     if build.max_autotune is None:
         # Measured on CPU: autotuned micro-GEMMs run bf16 2-3x faster than ATen's; fp32 gains little
-        # for a much longer build.
-        build.max_autotune = build.backend == "aoti" and pretrained.dtype != "float32"
+        # for a much longer build. With the GEMM plugin no GEMM is left for Inductor to tune.
+        build.max_autotune = (build.backend == "aoti" and pretrained.dtype != "float32"
+                              and build.plugin_config["gemm_plugin"] != "cpp")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:

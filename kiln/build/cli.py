@@ -23,6 +23,10 @@ BUILD_OPTIONS = [
                  help="Paged attention as the C++ plugin (reads KV pages in place), traced inline for the "
                       "compiler, or the kiln:: Python op (debugging). Default: cpp for aoti, inline for "
                       "eager and for 8-bit KV caches."),
+    click.option("--gemm_plugin", type=click.Choice(["cpp", "inline"]), default=None,
+                 help="Linear layers on the C++ GEMM plugin (weights packed, kept int8/int4/fp8 when "
+                      "quantized, decoded in the kernel) or traced inline onto ATen / Inductor GEMMs. "
+                      "Default: cpp for aoti with bf16/fp16 or quantized weights, else inline."),
     click.option("--workers", type=int, default=1, show_default=True,
                  help="Ranks compiled in parallel; this release builds single-rank engines, so one is used."),
 ]
@@ -43,7 +47,7 @@ def build_options(f):
               help="Dir to copy the tokenizer files from. Default: the checkpoint dir (ModelOpt exports have "
                    "none: pass the HF model dir).")
 @build_options
-def main(checkpoint_dir, output_dir, workers, tokenizer_dir, gpt_attention_plugin, **options):
+def main(checkpoint_dir, output_dir, workers, tokenizer_dir, gpt_attention_plugin, gemm_plugin, **options):
     """Compile a Kiln/TensorRT-LLM checkpoint into a serialized engine dir.
 
     The output is written to a temporary dir beside OUTPUT_DIR and renamed into place when
@@ -54,6 +58,7 @@ def main(checkpoint_dir, output_dir, workers, tokenizer_dir, gpt_attention_plugi
     try:
         build = BuildConfig(**options)
         build.plugin_config["gpt_attention_plugin"] = gpt_attention_plugin
+        build.plugin_config["gemm_plugin"] = gemm_plugin
         build_engine(checkpoint_dir, output_dir, build, log=click.echo, tokenizer_dir=tokenizer_dir)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None

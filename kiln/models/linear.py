@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kiln.config import ConfigError, PretrainedConfig, torch_dtype
-from kiln.plugins import quant
+from kiln.plugins import gemm, quant
 
 INT4_ALGOS = ("W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ")
 SUPPORTED_QUANT_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", "FP8", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ")
@@ -133,6 +133,29 @@ class ConcatLinear(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
+class PackedLinear(nn.Module):
+    """A linear on the C++ GEMM plugin (`kiln_cpp::gemm`), its weight packed by kiln.plugins.gemm.
+
+    The kernel decodes bf16/fp16/int8/fp8/int4 weights in its inner loop. A quantized activation
+    (SmoothQuant's int8, FP8's fp8) is rounded to its grid here, in the graph, and rides the kernel
+    as exact values in x's dtype; scale folds the activation and weight scales per column."""
+
+    def __init__(self, weight, n, scale=None, bias=None, group_size=0, pre_quant_scale=None,
+                 act_scale=None, act_dtype=None):
+        super().__init__()
+        for key, value in dict(weight=weight, scale=scale, bias=bias, pre_quant_scale=pre_quant_scale,
+                               act_scale=act_scale).items():
+            self.register_buffer(key, value)
+        self.n, self.group_size, self.act_dtype = n, group_size, act_dtype
+
+    def forward(self, x):
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale
+        if self.act_dtype is not None:
+            x = quant.quantize_to(x, self.act_scale, self.act_dtype).to(x.dtype)
+        return gemm.gemm(x, self.weight, self.scale, self.bias, self.n, self.group_size)
+
+
 class _NotFusable(Exception):
     pass
 
@@ -142,6 +165,23 @@ def _shared(parts, key):
     if any(not torch.equal(p[key], first) for p in parts[1:]):
         raise _NotFusable(key)
     return first
+
+
+def _fp8_weight_and_scale(algo, parts, act_scale, group_size):
+    """FP8 and W4A8: the fp8 weight and act_scale * its scale, per tensor or per row."""
+    if algo == "W4A8_AWQ":
+        # No CPU kernel takes int4 weights with fp8 activations: the int4 weights become the fp8
+        # ones they stand for (exactly) once, at build time.
+        weight = torch.cat([quant.w4a8_weight_fp8(p["weight"], p["weights_scaling_factor"],
+                                                  p["weights_scaling_factor_2"], group_size) for p in parts])
+        second = "weights_scaling_factor_2"
+    else:
+        weight, second = torch.cat([p["weight"] for p in parts]), "weights_scaling_factor"
+    rows = [p["weight"].shape[0] * (2 if algo == "W4A8_AWQ" else 1) for p in parts]
+    scales = [p[second].reshape(()) for p in parts]
+    if all(torch.equal(s, scales[0]) for s in scales):
+        return weight, act_scale * scales[0]
+    return weight, act_scale * torch.cat([s.expand(n) for s, n in zip(scales, rows)])
 
 
 def _build(algo, parts, dtype, group_size, bias):
@@ -159,30 +199,40 @@ def _build(algo, parts, dtype, group_size, bias):
     if algo == "W8A8_SQ_PER_CHANNEL":
         return W8A8Linear(bias, weight=cat("weight"), act_scale=act_scale,
                           scale=(act_scale * cat("weights_scaling_factor")).to(dtype), **extra)
-    if algo == "W4A8_AWQ":
-        # No CPU kernel takes int4 weights with fp8 activations: the int4 weights become the fp8
-        # ones they stand for (exactly) once, at build time.
-        weight = torch.cat([quant.w4a8_weight_fp8(p["weight"], p["weights_scaling_factor"],
-                                                  p["weights_scaling_factor_2"], group_size) for p in parts])
-        second = "weights_scaling_factor_2"
-    else:
-        weight, second = cat("weight"), "weights_scaling_factor"
-    rows = [p["weight"].shape[0] * (2 if algo == "W4A8_AWQ" else 1) for p in parts]
-    scales = [p[second].reshape(()) for p in parts]
-    if all(torch.equal(s, scales[0]) for s in scales):
-        scale = act_scale * scales[0]
-    else:
-        scale = act_scale * torch.cat([s.expand(n) for s, n in zip(scales, rows)])
+    weight, scale = _fp8_weight_and_scale(algo, parts, act_scale, group_size)
     return FP8Linear(bias, weight=weight, scale=scale, act_scale=act_scale, **extra)
 
 
-def make_linear(config: PretrainedConfig, weights: dict, names: list[str], bias=None) -> nn.Module:
-    """One layer for the checkpoint linears `names` (full names, sharing their input), fused where exact."""
+def _build_packed(algo, parts, dtype, group_size, bias):
+    cat = lambda key: torch.cat([p[key] for p in parts])  # noqa: E731
+    pqs = _shared(parts, "prequant_scaling_factor") if "prequant_scaling_factor" in parts[0] else None
+    pqs = None if pqs is None else pqs.to(dtype)
+    n = sum(p["weight"].shape[0] for p in parts) * (2 if algo in INT4_ALGOS else 1)
+    bias = None if bias is None else bias.float()
+    if algo is None:
+        return PackedLinear(gemm.pack(cat("weight").to(dtype)), n, bias=bias)
+    if algo == "W8A16":
+        return PackedLinear(gemm.pack(cat("weight")), n, gemm.pack_scale(cat("weights_scaling_factor"), n), bias)
+    if algo in INT4_ALGOS and algo != "W4A8_AWQ":
+        weight, scale = gemm.pack_int4(quant.unpack_int4(cat("weight")), cat("weights_scaling_factor"), group_size)
+        return PackedLinear(weight, n, scale, bias, group_size, pqs)
+    act_scale = _shared(parts, "activation_scaling_factor").reshape(()).float()
+    if algo == "W8A8_SQ_PER_CHANNEL":
+        weight, scale, act_dtype = cat("weight"), act_scale * cat("weights_scaling_factor"), torch.int8
+    else:
+        (weight, scale), act_dtype = _fp8_weight_and_scale(algo, parts, act_scale, group_size), FP8
+    return PackedLinear(gemm.pack(weight), n, gemm.pack_scale(scale, n), bias, 0, pqs, act_scale, act_dtype)
+
+
+def make_linear(config: PretrainedConfig, weights: dict, names: list[str], bias=None, packed=False) -> nn.Module:
+    """One layer for the checkpoint linears `names` (full names, sharing their input), fused where exact;
+    packed: on the C++ GEMM plugin instead of ATen's kernels."""
     algo, dtype, g = quant_algo_of(config, names[0]), torch_dtype(config.dtype), config.quantization.group_size
     parts = [{key[len(n) + 1:]: t for key, t in weights.items() if key.startswith(n + ".") and key != n + ".bias"}
              for n in names]
+    build = _build_packed if packed else _build
     try:
-        return _build(algo, parts, dtype, g, bias)
+        return build(algo, parts, dtype, g, bias)
     except _NotFusable:
         assert bias is None, "only qkv has a bias, and it is one checkpoint linear"
-        return ConcatLinear([_build(algo, [p], dtype, g, None) for p in parts])
+        return ConcatLinear([build(algo, [p], dtype, g, None) for p in parts])

@@ -10,7 +10,7 @@ from torch import nn
 from kiln.config import PretrainedConfig
 from kiln.models import rope
 from kiln.models.linear import make_linear, tensor_specs
-from kiln.plugins import cpu, ops
+from kiln.plugins import cpu, gemm, ops
 
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "ctx_token_index", "ctx_block_tables",
                "ctx_context_lens", "gen_token_index", "gen_block_tables", "gen_context_lens",
@@ -41,7 +41,7 @@ class _Ops:
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, weights: dict, prefix: str):
+    def __init__(self, config: PretrainedConfig, weights: dict, prefix: str, packed: bool = False):
         super().__init__()
 
         def param(name, optional=False):
@@ -53,7 +53,7 @@ class LlamaLayer(nn.Module):
             return nn.Parameter(weights[key], requires_grad=False)
 
         def linear(*names, bias=None):
-            return make_linear(config, weights, [prefix + n for n in names], bias)
+            return make_linear(config, weights, [prefix + n for n in names], bias, packed)
 
         self.input_layernorm = param("input_layernorm.weight")
         self.qkv = linear("attention.qkv", bias=param("attention.qkv.bias", optional=True))
@@ -72,6 +72,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.ops = _Ops(plugin_config or {})
+        # gemm_plugin "cpp": every GEMM on the C++ plugin, weights packed in its panel layout.
+        self.packed = (plugin_config or {}).get("gemm_plugin") == "cpp"
         self.layer_ids = list(config.layers_of(pp_rank))
         self.is_first = pp_rank == 0
         self.is_last = pp_rank == config.mapping.pp_size - 1
@@ -84,10 +86,16 @@ class LlamaForCausalLM(nn.Module):
             raise NotImplementedError("multi-rank engines are not supported yet; build with tp_size=pp_size=1")
         self.vocab_embedding = nn.Parameter(weights["transformer.vocab_embedding.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
-            LlamaLayer(config, weights, f"transformer.layers.{i}.") for i in self.layer_ids)
+            LlamaLayer(config, weights, f"transformer.layers.{i}.", self.packed) for i in self.layer_ids)
         self.ln_f = nn.Parameter(weights["transformer.ln_f.weight"], requires_grad=False)
         lm_head = weights["lm_head.weight"]
-        if config.tie_word_embeddings and torch.equal(lm_head, self.vocab_embedding):
+        tied = config.tie_word_embeddings and torch.equal(lm_head, self.vocab_embedding)
+        self.vocab_rows = lm_head.shape[0]
+        if self.packed:
+            self.lm_head = nn.Parameter(gemm.pack(lm_head), requires_grad=False)
+            if tied:  # embedding rows are read out of the packed table: one copy in the engine, not two
+                self.vocab_embedding = None
+        elif tied:
             self.lm_head = self.vocab_embedding  # one copy of the table in the engine, not two
         else:
             self.lm_head = nn.Parameter(lm_head, requires_grad=False)
@@ -107,7 +115,10 @@ class LlamaForCausalLM(nn.Module):
             rope_lens = _rope_lens(positions, ctx_token_index, ctx_context_lens)
         cos, sin = rope.cos_sin(self.config, self.inv_freq, positions, rope_lens)
 
-        hidden = F.embedding(input_ids, self.vocab_embedding)
+        if self.vocab_embedding is None:
+            hidden = gemm.embedding(self.lm_head, input_ids)
+        else:
+            hidden = F.embedding(input_ids, self.vocab_embedding)
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
@@ -133,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         # Only the selected tokens go through the final norm and the vocab GEMM.
         hidden = (hidden + residual)[logits_index]
         hidden = o.rms_norm(hidden, self.ln_f, self.eps)
+        if self.packed:
+            return gemm.gemm(hidden, self.lm_head, None, None, self.vocab_rows, 0, True)[:, : self.config.vocab_size]
         return F.linear(hidden, self.lm_head).float()[:, : self.config.vocab_size]
 
 

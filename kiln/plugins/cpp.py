@@ -32,9 +32,9 @@ NAME = "kiln_cpp"
 CSRC = Path(__file__).parent / "csrc"
 # Registration first: on ELF the linker keeps the first copy of an inline function it meets, so
 # code shared with the AVX2/AVX-512 files comes from a file built without those target options.
-SOURCES = ("paged_attention.cpp", "paged_attention_default.cpp", "paged_attention_avx2.cpp",
-           "paged_attention_avx512.cpp")
-HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_x86.h")
+SOURCES = ("paged_attention.cpp", "gemm.cpp", "paged_attention_default.cpp", "paged_attention_avx2.cpp",
+           "paged_attention_avx512.cpp", "gemm_default.cpp", "gemm_avx2.cpp")
+HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_x86.h", "gemm.h", "gemm_kernel.h")
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with
 # OpenMP; libgomp resolves to the copy libtorch already loaded (same soname), so one thread pool.
 CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-Wall", "-Wno-unused-parameter"]
@@ -150,6 +150,12 @@ def paged_attention_op():
     """`torch.ops.kiln_cpp.paged_attention`, loading the library first."""
     load()
     return torch.ops.kiln_cpp.paged_attention
+
+
+def gemm_op():
+    """`torch.ops.kiln_cpp.gemm` (csrc/gemm.cpp), loading the library first."""
+    load()
+    return torch.ops.kiln_cpp.gemm
 
 
 def kernel_capability() -> str:

@@ -1,0 +1,155 @@
+// kiln_cpp::gemm: the C++ CPU GEMM plugin for linear layers with packed (and quantized) weights.
+//
+//   gemm(x [..., K], weight, scale?, bias?, n, group_size, out_float) -> [..., n]
+//
+// weight holds the [n, K] matrix in panels of 16 output columns (kiln/plugins/gemm.py packs it at
+// build time; rows past n are zero):
+//   float32 / bfloat16 / float16 [panels, K, 16]: dense;
+//   int8 [panels, K, 16] with scale [panels * 16]: w = q * scale (W8A16; SmoothQuant's int8 weights);
+//   float8_e4m3fn [panels, K, 16] with scale [panels * 16]: w = fp8 * scale (FP8, W4A8);
+//   uint8 [panels, K / 2, 16] with scale [K / group_size, panels * 16]: two int4 per byte along k
+//     (low nibble first), stored as q + 8, w = q * scale[k / group_size] (W4A16, AWQ, GPTQ).
+// x is float32, bfloat16 or float16; the result is x's dtype (float32 with out_float), computed
+// in float32. bias, if given, has n values. Registered with a Meta kernel, so torch.export traces
+// it and an AOTInductor package calls it without Python, as kiln_cpp::paged_attention.
+
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "gemm.h"
+#include "paged_attention_x86.h"
+
+namespace kiln {
+namespace {
+
+constexpr const char* kOp = "kiln_cpp::gemm: ";
+
+GemmPanelsFn select_kernel() {
+  const std::string capability = at::get_cpu_capability();
+#if KILN_X86_KERNELS
+  if (capability == "AVX512" || capability == "AVX2") return &AVX2::gemm_panels;
+#endif
+  return &DEFAULT::gemm_panels;
+}
+
+WeightFormat format_of(const at::Tensor& w) {
+  switch (w.scalar_type()) {
+    case at::kFloat: return WeightFormat::Float;
+    case at::kBFloat16: return WeightFormat::BFloat16;
+    case at::kHalf: return WeightFormat::Half;
+    case at::kChar: return WeightFormat::Int8;
+    case at::kFloat8_e4m3fn: return WeightFormat::Fp8E4M3;
+    case at::kByte: return WeightFormat::Int4;
+    default:
+      TORCH_CHECK(false, kOp, "weight must be float32, bfloat16, float16, int8, float8_e4m3fn or uint8 (int4), got ",
+                  w.scalar_type());
+  }
+}
+
+OutType out_type_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return OutType::Float;
+    case at::kBFloat16: return OutType::BFloat16;
+    case at::kHalf: return OutType::Half;
+    default: TORCH_CHECK(false, kOp, "x must be float32, bfloat16 or float16, got ", t);
+  }
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  TORCH_CHECK(!shape.empty(), kOp, "x must have at least one dimension");
+  shape.back() = n;
+  return shape;
+}
+
+at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                    const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float) {
+  const WeightFormat format = format_of(weight);
+  const at::ScalarType out_dtype = out_float ? at::kFloat : x.scalar_type();
+  out_type_of(x.scalar_type());
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kPanel && weight.is_contiguous(), kOp,
+              "weight must be contiguous [panels, K, 16] (kiln.plugins.gemm packs it), got shape ", weight.sizes());
+  const int64_t panels = weight.size(0), padded = panels * kPanel;
+  TORCH_CHECK(n > padded - kPanel && n <= padded, kOp, "n = ", n, " does not match ", panels, " weight panels");
+  const int64_t k_rows = format == WeightFormat::Int4 ? K / 2 : K;
+  TORCH_CHECK(weight.size(1) == k_rows && (format != WeightFormat::Int4 || K % 2 == 0), kOp, "x has K = ", K,
+              " input features but weight is ", weight.sizes());
+
+  GemmParams p{};
+  at::Tensor scale_f, bias_f;
+  if (format == WeightFormat::Int8 || format == WeightFormat::Fp8E4M3 || format == WeightFormat::Int4) {
+    TORCH_CHECK(scale.has_value(), kOp, weight.scalar_type(), " weights need a scale");
+    scale_f = scale->to(at::kFloat).contiguous();
+  } else if (scale.has_value()) {
+    scale_f = scale->to(at::kFloat).contiguous();
+  }
+  if (format == WeightFormat::Int4) {
+    TORCH_CHECK(group_size >= 2 && (group_size & (group_size - 1)) == 0 && K % group_size == 0, kOp,
+                "group_size must be a power of two dividing K = ", K, ", got ", group_size);
+    TORCH_CHECK(scale_f.dim() == 2 && scale_f.size(0) == K / group_size && scale_f.size(1) == padded, kOp,
+                "int4 scale must be [K / group_size, panels * 16] = [", K / group_size, ", ", padded, "], got ",
+                scale_f.sizes());
+    p.group_scale = scale_f.const_data_ptr<float>();
+    while ((int64_t{1} << p.group_shift) < group_size) ++p.group_shift;
+  } else if (scale_f.defined()) {
+    TORCH_CHECK(scale_f.numel() == padded, kOp, "scale must have panels * 16 = ", padded, " values, got ",
+                scale_f.sizes());
+    p.col_scale = scale_f.const_data_ptr<float>();
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, kOp, "bias must have n = ", n, " values, got ", bias->sizes());
+    bias_f = bias->to(at::kFloat).contiguous();
+    p.bias = bias_f.const_data_ptr<float>();
+  }
+
+  const at::Tensor x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(out_shape(x, n), x.options().dtype(out_dtype));
+  p.x = x2.const_data_ptr<float>();
+  p.M = x2.size(0);
+  p.K = K;
+  p.w = weight.const_data_ptr();
+  p.format = format;
+  p.out = out.mutable_data_ptr();
+  p.out_type = out_type_of(out_dtype);
+  p.n = n;
+  if (p.M == 0) return out;
+
+  static const GemmPanelsFn kernel = select_kernel();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(K * kPanel);
+    kernel(p, begin, end, scratch.data());
+  });
+  return out;
+}
+
+// Symbolic sizes: torch.export traces with a dynamic number of tokens.
+at::Tensor gemm_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  TORCH_CHECK(!shape.empty(), kOp, "x must have at least one dimension");
+  shape.back() = n;
+  return at::empty_symint(shape, x.options().dtype(out_float ? at::kFloat : x.scalar_type()));
+}
+
+}  // namespace
+}  // namespace kiln
+
+TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
+  m.def("gemm(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int n, int group_size=0, "
+        "bool out_float=False) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+}
+
+TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) { m.impl("gemm", &kiln::gemm_cpu); }
+
+TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) { m.impl("gemm", &kiln::gemm_meta); }

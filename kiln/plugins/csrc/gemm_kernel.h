@@ -1,0 +1,317 @@
+// The weight-panel GEMM kernel, compiled once per CPU capability as paged_attention_kernel.h is:
+// gemm_<cap>.cpp defines CPU_CAPABILITY (the namespace) and the target options, then includes this.
+//
+// out[M, n] = x[M, K] . W^T, times a per-column scale, plus bias. W is stored in panels of 16 output
+// columns, [panels, K, 16]: a panel is one contiguous stream, a thread's share of the panels is one
+// contiguous range, and each k of a panel is two 8-float registers after decoding. So:
+//  - M <= kDirectRows (decode, small batches): weights are decoded in the inner loop and read once,
+//    with 1-6 rows of x broadcast against them: a GEMV at memory bandwidth, in whatever width the
+//    weights are stored (bf16, fp16, int8, fp8, int4), which is what weight-only quantization buys.
+//  - M > kDirectRows (prefill, large batches): each panel is decoded once into a float scratch
+//    (16 x K, L1/L2 resident) and a 6 x 16 register tile of FMAs runs every row block over it: the
+//    decode cost is paid once per panel instead of once per row, and the loop is FMA-bound.
+// The AVX2 path uses raw intrinsics (the decodes are bit manipulations at::vec has no words for);
+// the DEFAULT path is plain C++ with the same semantics, for CPUs without AVX2.
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include "gemm.h"
+
+namespace kiln {
+namespace CPU_CAPABILITY {
+namespace {
+
+// fp8 e4m3 bits land in an fp16 (sign, then exponent and mantissa shifted up by 7): exact,
+// subnormals included, but with a bias of 15 instead of 7, i.e. 2^-8 of the value.
+constexpr float kFp8Factor = 256.0f;
+
+inline float column_factor(const GemmParams& p) {
+  return p.format == WeightFormat::Fp8E4M3 ? kFp8Factor : 1.0f;
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+
+// -- decoders: 16 weights of row k of one panel, as two 8-float registers ----------------------
+
+struct F32Panel {
+  const float* w;
+  void operator()(int64_t k, __m256& a, __m256& b) const {
+    a = _mm256_loadu_ps(w + k * kPanel);
+    b = _mm256_loadu_ps(w + k * kPanel + 8);
+  }
+};
+
+struct BF16Panel {
+  const uint16_t* w;
+  void operator()(int64_t k, __m256& a, __m256& b) const {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel + 8));
+    a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
+    b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
+  }
+};
+
+struct HalfPanel {
+  const uint16_t* w;
+  void operator()(int64_t k, __m256& a, __m256& b) const {
+    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel)));
+    b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel + 8)));
+  }
+};
+
+struct Int8Panel {
+  const int8_t* w;
+  void operator()(int64_t k, __m256& a, __m256& b) const {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel));
+    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+  }
+};
+
+struct Fp8Panel {
+  const uint8_t* w;
+  void operator()(int64_t k, __m256& a, __m256& b) const {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel)));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7f)), 7);
+    const __m256i h = _mm256_or_si256(sign, rest);
+    a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  }
+};
+
+// Two k per byte (low nibble: even k), unsigned u = q + 8; the group scale is applied here.
+struct Int4Panel {
+  const uint8_t* w;
+  const float* scale;  // this panel's column 0 of group_scale
+  int64_t scale_stride;
+  int64_t group_shift;
+  void operator()(int64_t k, __m256& a, __m256& b) const {
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k >> 1) * kPanel));
+    v = _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(static_cast<int>(k & 1) * 4)), _mm_set1_epi8(0x0f));
+    const float* s = scale + (k >> group_shift) * scale_stride;
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    a = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), eight), _mm256_loadu_ps(s));
+    b = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), eight),
+                      _mm256_loadu_ps(s + 8));
+  }
+};
+
+// -- the register tile ----------------------------------------------------------------------------
+
+// acc[m] += sum_k x[m, k] * w[k, 0:16] for MR rows. KU independent partial sums per row keep the FMA
+// pipes busy when MR is small (an FMA waits for the previous one on the same register).
+template <int MR, int KU, class Panel>
+inline void tile(const Panel& w, const float* x, int64_t ldx, int64_t K, __m256 (&acc)[MR][2]) {
+  __m256 part[KU][MR][2];
+#pragma GCC unroll 8
+  for (int u = 0; u < KU; ++u)
+    for (int m = 0; m < MR; ++m) part[u][m][0] = part[u][m][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + KU <= K; k += KU) {
+#pragma GCC unroll 8
+    for (int u = 0; u < KU; ++u) {
+      __m256 a, b;
+      w(k + u, a, b);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k + u);
+        part[u][m][0] = _mm256_fmadd_ps(xv, a, part[u][m][0]);
+        part[u][m][1] = _mm256_fmadd_ps(xv, b, part[u][m][1]);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    __m256 a, b;
+    w(k, a, b);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+      part[0][m][0] = _mm256_fmadd_ps(xv, a, part[0][m][0]);
+      part[0][m][1] = _mm256_fmadd_ps(xv, b, part[0][m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    acc[m][0] = part[0][m][0];
+    acc[m][1] = part[0][m][1];
+    for (int u = 1; u < KU; ++u) {
+      acc[m][0] = _mm256_add_ps(acc[m][0], part[u][m][0]);
+      acc[m][1] = _mm256_add_ps(acc[m][1], part[u][m][1]);
+    }
+  }
+}
+
+inline __m128i to_bf16(__m256 v) {  // round to nearest even
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+inline void store_row(const GemmParams& p, int64_t row, int64_t col0, int64_t cols, __m256 lo, __m256 hi) {
+  const int64_t at = row * p.n + col0;
+  if (cols == kPanel) {
+    switch (p.out_type) {
+      case OutType::Float:
+        _mm256_storeu_ps(static_cast<float*>(p.out) + at, lo);
+        _mm256_storeu_ps(static_cast<float*>(p.out) + at + 8, hi);
+        return;
+      case OutType::BFloat16: {
+        auto* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p.out) + at);
+        _mm_storeu_si128(out, to_bf16(lo));
+        _mm_storeu_si128(out + 1, to_bf16(hi));
+        return;
+      }
+      case OutType::Half: {
+        auto* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p.out) + at);
+        _mm_storeu_si128(out, _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128(out + 1, _mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT));
+        return;
+      }
+    }
+  }
+  float tmp[kPanel];
+  _mm256_storeu_ps(tmp, lo);
+  _mm256_storeu_ps(tmp + 8, hi);
+  for (int64_t j = 0; j < cols; ++j) {
+    switch (p.out_type) {
+      case OutType::Float: static_cast<float*>(p.out)[at + j] = tmp[j]; break;
+      case OutType::BFloat16: static_cast<c10::BFloat16*>(p.out)[at + j] = c10::BFloat16(tmp[j]); break;
+      case OutType::Half: static_cast<c10::Half*>(p.out)[at + j] = c10::Half(tmp[j]); break;
+    }
+  }
+}
+
+template <int MR>
+inline void finish(const GemmParams& p, int64_t row0, int64_t panel, __m256 (&acc)[MR][2]) {
+  const int64_t col0 = panel * kPanel, cols = std::min(kPanel, p.n - col0);
+  __m256 s0 = _mm256_set1_ps(column_factor(p)), s1 = s0;
+  if (p.col_scale != nullptr) {
+    s0 = _mm256_mul_ps(s0, _mm256_loadu_ps(p.col_scale + col0));
+    s1 = _mm256_mul_ps(s1, _mm256_loadu_ps(p.col_scale + col0 + 8));
+  }
+  float bias[kPanel] = {};
+  if (p.bias != nullptr) std::memcpy(bias, p.bias + col0, cols * sizeof(float));
+  const __m256 b0 = _mm256_loadu_ps(bias), b1 = _mm256_loadu_ps(bias + 8);
+  for (int m = 0; m < MR; ++m)
+    store_row(p, row0 + m, col0, cols, _mm256_fmadd_ps(acc[m][0], s0, b0), _mm256_fmadd_ps(acc[m][1], s1, b1));
+}
+
+template <int MR, class Panel>
+inline void rows(const GemmParams& p, const Panel& w, int64_t row0, int64_t panel, int64_t K) {
+  constexpr int KU = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  __m256 acc[MR][2];
+  tile<MR, KU>(w, p.x + row0 * p.K, p.K, K, acc);
+  finish<MR>(p, row0, panel, acc);
+}
+
+template <class Panel>
+void rows_any(const GemmParams& p, const Panel& w, int64_t row0, int64_t count, int64_t panel) {
+  switch (count) {
+    case 1: return rows<1>(p, w, row0, panel, p.K);
+    case 2: return rows<2>(p, w, row0, panel, p.K);
+    case 3: return rows<3>(p, w, row0, panel, p.K);
+    case 4: return rows<4>(p, w, row0, panel, p.K);
+    case 5: return rows<5>(p, w, row0, panel, p.K);
+    default: return rows<6>(p, w, row0, panel, p.K);
+  }
+}
+
+template <class Panel>
+void run_panel(const GemmParams& p, const Panel& w, int64_t panel, float* scratch) {
+  if (p.M <= kDirectRows) return rows_any(p, w, 0, p.M, panel);
+  for (int64_t k = 0; k < p.K; ++k) {
+    __m256 a, b;
+    w(k, a, b);
+    _mm256_storeu_ps(scratch + k * kPanel, a);
+    _mm256_storeu_ps(scratch + k * kPanel + 8, b);
+  }
+  const F32Panel decoded{scratch};
+  int64_t row = 0;
+  for (; row + kDirectRows <= p.M; row += kDirectRows) rows<kDirectRows>(p, decoded, row, panel, p.K);
+  if (row < p.M) rows_any(p, decoded, row, p.M - row, panel);
+}
+
+void run(const GemmParams& p, int64_t panel, float* scratch) {
+  const int64_t panel_elems = p.K * kPanel;
+  switch (p.format) {
+    case WeightFormat::Float:
+      return run_panel(p, F32Panel{static_cast<const float*>(p.w) + panel * panel_elems}, panel, scratch);
+    case WeightFormat::BFloat16:
+      return run_panel(p, BF16Panel{static_cast<const uint16_t*>(p.w) + panel * panel_elems}, panel, scratch);
+    case WeightFormat::Half:
+      return run_panel(p, HalfPanel{static_cast<const uint16_t*>(p.w) + panel * panel_elems}, panel, scratch);
+    case WeightFormat::Int8:
+      return run_panel(p, Int8Panel{static_cast<const int8_t*>(p.w) + panel * panel_elems}, panel, scratch);
+    case WeightFormat::Fp8E4M3:
+      return run_panel(p, Fp8Panel{static_cast<const uint8_t*>(p.w) + panel * panel_elems}, panel, scratch);
+    case WeightFormat::Int4: {
+      const int64_t stride = (p.n + kPanel - 1) / kPanel * kPanel;
+      return run_panel(p, Int4Panel{static_cast<const uint8_t*>(p.w) + panel * panel_elems / 2,
+                                    p.group_scale + panel * kPanel, stride, p.group_shift}, panel, scratch);
+    }
+  }
+}
+
+#else  // DEFAULT: plain C++
+
+float weight_at(const GemmParams& p, int64_t panel, int64_t k, int64_t j) {
+  const int64_t i = (panel * p.K + k) * kPanel + j;
+  switch (p.format) {
+    case WeightFormat::Float: return static_cast<const float*>(p.w)[i];
+    case WeightFormat::BFloat16: return static_cast<const c10::BFloat16*>(p.w)[i];
+    case WeightFormat::Half: return static_cast<const c10::Half*>(p.w)[i];
+    case WeightFormat::Int8: return static_cast<const int8_t*>(p.w)[i];
+    case WeightFormat::Fp8E4M3: {
+      const uint8_t v = static_cast<const uint8_t*>(p.w)[i];
+      const uint16_t h = static_cast<uint16_t>(((v & 0x80) << 8) | ((v & 0x7f) << 7));
+      return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+    }
+    case WeightFormat::Int4: {
+      const uint8_t v = static_cast<const uint8_t*>(p.w)[(panel * p.K / 2 + k / 2) * kPanel + j];
+      const int64_t stride = (p.n + kPanel - 1) / kPanel * kPanel;
+      const float s = p.group_scale[(k >> p.group_shift) * stride + panel * kPanel + j];
+      return (static_cast<float>((v >> (4 * (k & 1))) & 0x0f) - 8.0f) * s;
+    }
+  }
+  return 0.0f;
+}
+
+void run(const GemmParams& p, int64_t panel, float* scratch) {
+  const int64_t col0 = panel * kPanel, cols = std::min(kPanel, p.n - col0);
+  for (int64_t j = 0; j < cols; ++j) {
+    for (int64_t k = 0; k < p.K; ++k) scratch[k] = weight_at(p, panel, k, j);
+    const float s = column_factor(p) * (p.col_scale != nullptr ? p.col_scale[col0 + j] : 1.0f);
+    const float bias = p.bias != nullptr ? p.bias[col0 + j] : 0.0f;
+    for (int64_t m = 0; m < p.M; ++m) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < p.K; ++k) acc += p.x[m * p.K + k] * scratch[k];
+      const float y = acc * s + bias;
+      const int64_t at = m * p.n + col0 + j;
+      switch (p.out_type) {
+        case OutType::Float: static_cast<float*>(p.out)[at] = y; break;
+        case OutType::BFloat16: static_cast<c10::BFloat16*>(p.out)[at] = c10::BFloat16(y); break;
+        case OutType::Half: static_cast<c10::Half*>(p.out)[at] = c10::Half(y); break;
+      }
+    }
+  }
+}
+
+#endif
+
+}  // namespace
+
+void gemm_panels(const GemmParams& p, int64_t panel_begin, int64_t panel_end, float* scratch) {
+  for (int64_t panel = panel_begin; panel < panel_end; ++panel) run(p, panel, scratch);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace kiln

@@ -156,6 +156,8 @@ def main():
                     help="AOTInductor max-autotune (default: engine-build's, i.e. on for bf16/fp16)")
     ap.add_argument("--attention", choices=["inline", "cpp"], default=None,
                     help="paged attention traced inline or the C++ plugin (default: engine-build's)")
+    ap.add_argument("--gemm", choices=["inline", "cpp"], default=None,
+                    help="GEMMs on ATen / Inductor or the C++ GEMM plugin (default: engine-build's)")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the engine even if one exists")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--input_len", type=int, default=128)
@@ -186,6 +188,8 @@ def main():
     suffix = {None: "", True: "_autotune", False: "_noautotune"}[args.max_autotune]
     if args.attention:
         suffix += f"_{args.attention}"
+    if args.gemm:
+        suffix += f"_gemm{args.gemm}"
     engine_dir = work / f"engine_{args.backend}_{args.dtype}{suffix}"
     max_batch = max(args.batch)
     build_seconds = build_rss_mb = None
@@ -198,6 +202,8 @@ def main():
                             tokens_per_block=32, backend=args.backend, max_autotune=args.max_autotune)
         if args.attention:
             build.plugin_config["gpt_attention_plugin"] = args.attention
+        if args.gemm:
+            build.plugin_config["gemm_plugin"] = args.gemm
         start = time.perf_counter()
         build_engine(ckpt, engine_dir, build, log=lambda m: print(m, file=sys.stderr))
         build_seconds = time.perf_counter() - start

@@ -106,10 +106,12 @@ def test_gemm_bad_input(change, message):
 
 def test_int4_bad_group_size():
     packed, scale, _, _ = _weights("int4", 32, 64)
-    with pytest.raises(RuntimeError, match="group_size must be a power of two dividing K = 64"):
+    with pytest.raises(RuntimeError, match="group_size must be a power of two >= 16 dividing K = 64"):
         gemm.gemm(torch.randn(1, 64), packed, scale, None, 32, 24)
     with pytest.raises(RuntimeError, match=r"int4 scale must be \[K / group_size, panels \* 16\]"):
         gemm.gemm(torch.randn(1, 64), packed, scale, None, 32, 16)
+    with pytest.raises(RuntimeError, match="group_size must be a power of two >= 16"):
+        gemm.gemm(torch.randn(1, 64), packed, scale, None, 32, 8)
 
 
 def test_default_kernel_without_avx2():

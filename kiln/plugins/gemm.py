@@ -2,7 +2,8 @@
 
 The kernel reads a [n, K] weight as panels of 16 output columns, [panels, K, 16], so that one
 panel is one contiguous stream and each k of it is 16 adjacent values; rows past n are zero.
-int4 goes two k per byte (low nibble first) as q + 8, with its group scales as [K / g, panels * 16].
+int4 goes two k per byte (low nibble first, two's complement), with its group scales as
+[K / g, panels * 16].
 """
 import torch
 
@@ -27,7 +28,7 @@ def pack_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n, K] ints in [-8, 7] and scale [n, K / g] -> (uint8 [panels, K / 2, 16], float32 [K / g, panels * 16])."""
-    u = pack((q.to(torch.int16) + 8).to(torch.uint8))  # [panels, K, 16]
+    u = pack(q.to(torch.int8).view(torch.uint8) & 0xF)  # [panels, K, 16]
     packed = u[:, 0::2] | (u[:, 1::2] << 4)
     return packed.contiguous(), _pad_rows(scale.float()).T.contiguous()
 

@@ -8,7 +8,7 @@
 //   int8 [panels, K, 16] with scale [panels * 16]: w = q * scale (W8A16; SmoothQuant's int8 weights);
 //   float8_e4m3fn [panels, K, 16] with scale [panels * 16]: w = fp8 * scale (FP8, W4A8);
 //   uint8 [panels, K / 2, 16] with scale [K / group_size, panels * 16]: two int4 per byte along k
-//     (low nibble first), stored as q + 8, w = q * scale[k / group_size] (W4A16, AWQ, GPTQ).
+//     (low nibble first, two's complement), w = q * scale[k / group_size] (W4A16, AWQ, GPTQ).
 // x is float32, bfloat16 or float16; the result is x's dtype (float32 with out_float), computed
 // in float32. bias, if given, has n values. Registered with a Meta kernel, so torch.export traces
 // it and an AOTInductor package calls it without Python, as kiln_cpp::paged_attention.
@@ -93,8 +93,8 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
     scale_f = scale->to(at::kFloat).contiguous();
   }
   if (format == WeightFormat::Int4) {
-    TORCH_CHECK(group_size >= 2 && (group_size & (group_size - 1)) == 0 && K % group_size == 0, kOp,
-                "group_size must be a power of two dividing K = ", K, ", got ", group_size);
+    TORCH_CHECK(group_size >= 16 && (group_size & (group_size - 1)) == 0 && K % group_size == 0, kOp,
+                "group_size must be a power of two >= 16 dividing K = ", K, ", got ", group_size);
     TORCH_CHECK(scale_f.dim() == 2 && scale_f.size(0) == K / group_size && scale_f.size(1) == padded, kOp,
                 "int4 scale must be [K / group_size, panels * 16] = [", K / group_size, ", ", padded, "], got ",
                 scale_f.sizes());

@@ -89,20 +89,45 @@ struct Fp8Panel {
   }
 };
 
-// Two k per byte (low nibble: even k), unsigned u = q + 8; the group scale is applied here.
+// int4: two k per byte, low nibble first, each a two's-complement q in [-8, 7]. Masking a nibble
+// into a byte's high half gives the int8 16 * q, so a sign-extending widen decodes it; the 1/16 joins
+// the group scale, which multiplies a group's partial sums rather than every weight.
+inline void int4_pair(const uint8_t* w, int64_t k, __m256& l0, __m256& l1, __m256& h0, __m256& h1) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k >> 1) * kPanel));
+  const __m128i high = _mm_set1_epi8(static_cast<char>(0xf0));
+  const __m128i lo = _mm_and_si128(_mm_slli_epi16(v, 4), high), hi = _mm_and_si128(v, high);
+  l0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  l1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  h0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  h1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
 struct Int4Panel {
   const uint8_t* w;
   const float* scale;  // this panel's column 0 of group_scale
   int64_t scale_stride;
   int64_t group_shift;
-  void operator()(int64_t k, __m256& a, __m256& b) const {
-    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k >> 1) * kPanel));
-    v = _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(static_cast<int>(k & 1) * 4)), _mm_set1_epi8(0x0f));
-    const float* s = scale + (k >> group_shift) * scale_stride;
-    const __m256 eight = _mm256_set1_ps(8.0f);
-    a = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), eight), _mm256_loadu_ps(s));
-    b = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), eight),
-                      _mm256_loadu_ps(s + 8));
+
+  void group_scale(int64_t group, __m256& s0, __m256& s1) const {
+    const __m256 sixteenth = _mm256_set1_ps(1.0f / 16.0f);
+    s0 = _mm256_mul_ps(_mm256_loadu_ps(scale + group * scale_stride), sixteenth);
+    s1 = _mm256_mul_ps(_mm256_loadu_ps(scale + group * scale_stride + 8), sixteenth);
+  }
+
+  // The whole panel as floats (scales applied) into scratch [K, 16].
+  void decode(int64_t K, float* out) const {
+    for (int64_t group = 0; group < (K >> group_shift); ++group) {
+      __m256 s0, s1;
+      group_scale(group, s0, s1);
+      for (int64_t k = group << group_shift; k < (group + 1) << group_shift; k += 2) {
+        __m256 l0, l1, h0, h1;
+        int4_pair(w, k, l0, l1, h0, h1);
+        _mm256_storeu_ps(out + k * kPanel, _mm256_mul_ps(l0, s0));
+        _mm256_storeu_ps(out + k * kPanel + 8, _mm256_mul_ps(l1, s1));
+        _mm256_storeu_ps(out + (k + 1) * kPanel, _mm256_mul_ps(h0, s0));
+        _mm256_storeu_ps(out + (k + 1) * kPanel + 8, _mm256_mul_ps(h1, s1));
+      }
+    }
   }
 };
 
@@ -213,6 +238,53 @@ inline void rows(const GemmParams& p, const Panel& w, int64_t row0, int64_t pane
   finish<MR>(p, row0, panel, acc);
 }
 
+// The direct path for int4: per group, S sets of partial sums (even/odd k, and two pairs in flight
+// for one row) keep the FMA pipes busy; the group scale then folds them into acc.
+template <int MR>
+inline void rows(const GemmParams& p, const Int4Panel& w, int64_t row0, int64_t panel, int64_t K) {
+  constexpr int S = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  const float* x = p.x + row0 * p.K;
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t group = 0; group < (K >> w.group_shift); ++group) {
+    __m256 part[S][MR][2];
+#pragma GCC unroll 8
+    for (int u = 0; u < S; ++u)
+      for (int m = 0; m < MR; ++m) part[u][m][0] = part[u][m][1] = _mm256_setzero_ps();
+    const int64_t end = (group + 1) << w.group_shift;
+    for (int64_t k = group << w.group_shift; k < end; k += 2 * (S == 4 ? 2 : 1)) {
+#pragma GCC unroll 2
+      for (int pair = 0; pair < (S == 4 ? 2 : 1); ++pair) {
+        const int64_t kk = k + 2 * pair;
+        __m256 l0, l1, h0, h1;
+        int4_pair(w.w, kk, l0, l1, h0, h1);
+        constexpr int odd = S >= 2 ? 1 : 0;
+        const int even_set = S == 4 ? 2 * pair : 0;
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const __m256 x0 = _mm256_broadcast_ss(x + m * p.K + kk), x1 = _mm256_broadcast_ss(x + m * p.K + kk + 1);
+          part[even_set][m][0] = _mm256_fmadd_ps(x0, l0, part[even_set][m][0]);
+          part[even_set][m][1] = _mm256_fmadd_ps(x0, l1, part[even_set][m][1]);
+          part[even_set + odd][m][0] = _mm256_fmadd_ps(x1, h0, part[even_set + odd][m][0]);
+          part[even_set + odd][m][1] = _mm256_fmadd_ps(x1, h1, part[even_set + odd][m][1]);
+        }
+      }
+    }
+    __m256 s0, s1;
+    w.group_scale(group, s0, s1);
+    for (int m = 0; m < MR; ++m) {
+      __m256 a = part[0][m][0], b = part[0][m][1];
+      for (int u = 1; u < S; ++u) {
+        a = _mm256_add_ps(a, part[u][m][0]);
+        b = _mm256_add_ps(b, part[u][m][1]);
+      }
+      acc[m][0] = _mm256_fmadd_ps(a, s0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(b, s1, acc[m][1]);
+    }
+  }
+  finish<MR>(p, row0, panel, acc);
+}
+
 template <class Panel>
 void rows_any(const GemmParams& p, const Panel& w, int64_t row0, int64_t count, int64_t panel) {
   switch (count) {
@@ -226,14 +298,21 @@ void rows_any(const GemmParams& p, const Panel& w, int64_t row0, int64_t count, 
 }
 
 template <class Panel>
-void run_panel(const GemmParams& p, const Panel& w, int64_t panel, float* scratch) {
-  if (p.M <= kDirectRows) return rows_any(p, w, 0, p.M, panel);
-  for (int64_t k = 0; k < p.K; ++k) {
+void decode(const Panel& w, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; ++k) {
     __m256 a, b;
     w(k, a, b);
-    _mm256_storeu_ps(scratch + k * kPanel, a);
-    _mm256_storeu_ps(scratch + k * kPanel + 8, b);
+    _mm256_storeu_ps(out + k * kPanel, a);
+    _mm256_storeu_ps(out + k * kPanel + 8, b);
   }
+}
+
+inline void decode(const Int4Panel& w, int64_t K, float* out) { w.decode(K, out); }
+
+template <class Panel>
+void run_panel(const GemmParams& p, const Panel& w, int64_t panel, float* scratch) {
+  if (p.M <= kDirectRows) return rows_any(p, w, 0, p.M, panel);
+  decode(w, p.K, scratch);
   const F32Panel decoded{scratch};
   int64_t row = 0;
   for (; row + kDirectRows <= p.M; row += kDirectRows) rows<kDirectRows>(p, decoded, row, panel, p.K);
@@ -279,7 +358,8 @@ float weight_at(const GemmParams& p, int64_t panel, int64_t k, int64_t j) {
       const uint8_t v = static_cast<const uint8_t*>(p.w)[(panel * p.K / 2 + k / 2) * kPanel + j];
       const int64_t stride = (p.n + kPanel - 1) / kPanel * kPanel;
       const float s = p.group_scale[(k >> p.group_shift) * stride + panel * kPanel + j];
-      return (static_cast<float>((v >> (4 * (k & 1))) & 0x0f) - 8.0f) * s;
+      const int q = (v >> (4 * (k & 1))) & 0x0f;
+      return static_cast<float>(q >= 8 ? q - 16 : q) * s;
     }
   }
   return 0.0f;

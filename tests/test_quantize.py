@@ -64,7 +64,12 @@ def linear_parts(tensors: dict, layer: int, name: str) -> dict[str, torch.Tensor
     return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
-def expected_layout(cfg: dict, qformat: str | None, kv: str | None) -> dict[str, tuple]:
+def writes_pqs(qformat: str | None, awq_algorithm: str = "clip") -> bool:
+    """Linears carry prequant_scaling_factor: AWQ's smoothing scales (not awq_clip's), SmoothQuant's."""
+    return qformat in ("w4a8_awq", "int8_sq") or (qformat == "int4_awq" and awq_algorithm != "clip")
+
+
+def expected_layout(cfg: dict, qformat: str | None, kv: str | None, awq_algorithm: str = "clip") -> dict[str, tuple]:
     """name -> (dtype, shape) of every tensor of a tp=1 checkpoint, from the format's definition."""
     dt = getattr(torch, cfg["dtype"])
     h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_size"]
@@ -96,7 +101,7 @@ def expected_layout(cfg: dict, qformat: str | None, kv: str | None) -> dict[str,
             else:  # int4, packed two output rows per byte
                 out.update({p + "weight": (torch.int8, (o // 2, n)),
                             p + "weights_scaling_factor": (f32, (o, n // GROUP))})
-            if qformat in ("int4_awq", "w4a8_awq", "int8_sq"):
+            if writes_pqs(qformat, awq_algorithm):
                 out[p + "prequant_scaling_factor"] = (dt, (n,))
             if qformat in ("w4a8_awq", "int8_sq"):
                 out[p + "activation_scaling_factor"] = (f32, (1,))
@@ -168,7 +173,7 @@ def test_format_layout_and_report(hf_model, calib_file, tmp_path, qformat, kv):
     assert q["kv_cache_quant_algo"] == {"fp8": "FP8", "int8": "INT8", None: None}[kv]
     if qformat:
         assert q["exclude_modules"] == ["lm_head"] and q["has_zero_point"] is False
-        assert q["pre_quant_scale"] == (qformat in ("int4_awq", "w4a8_awq", "int8_sq"))
+        assert q["pre_quant_scale"] == writes_pqs(qformat)
         if qformat.startswith(("int4", "w4a8")):
             assert q["group_size"] == GROUP
     assert cfg["tie_word_embeddings"] and cfg["rotary_scaling"]["type"] == "llama3"
@@ -253,6 +258,38 @@ def test_awq_and_gptq_beat_round_to_nearest(hf_model, calib_file, tmp_path):
         errors[qformat] = _output_error(load_ckpt(out), ALGO[qformat], hf, inputs)
     assert errors["int4_gptq"] < 0.9 * errors["int4_wo"], errors
     assert errors["int4_awq"] < errors["int4_wo"], errors
+
+
+@pytest.mark.parametrize("awq_algorithm", ["clip", "lite", "full"])
+def test_awq_algorithms_checkpoint_loads_for_the_engine(hf_model, calib_file, tmp_path, awq_algorithm):
+    # ModelOpt's awq_clip export has no pre-quant scales but says pre_quant_scale: true; ours
+    # must say false, or engine-build asks for tensors that are not there.
+    from kiln.build.builder import load_rank_weights
+    from kiln.models.llama import checkpoint_tensors
+
+    out = convert_checkpoint(hf_model("llama"), tmp_path / "c", quant=opts(
+        "int4_awq", None, calib_file, calib_size=4, eval_size=2, awq_algorithm=awq_algorithm))
+    cfg_json = json.loads((out / "config.json").read_text())
+    assert cfg_json["quantization"]["pre_quant_scale"] == (awq_algorithm != "clip")
+    tensors = load_ckpt(out)
+    assert set(tensors) == set(expected_layout(cfg_json, "int4_awq", None, awq_algorithm))
+    cfg = PretrainedConfig.load(out)
+    assert set(checkpoint_tensors(cfg, 0)) == set(tensors)
+    weights = load_rank_weights(out, cfg, 0)
+    assert any(k.endswith("prequant_scaling_factor") for k in weights) == (awq_algorithm != "clip")
+    report = json.loads((out / "quant_report.json").read_text())
+    assert report["method"] == f"ModelOpt INT4_AWQ_CFG (awq_{awq_algorithm})"
+
+
+def test_awq_algorithm_option(hf_model, calib_file, tmp_path):
+    result = CliRunner().invoke(main, [
+        "--model_dir", str(hf_model("llama")), "--output_dir", str(tmp_path / "c"), "--qformat", "int4_awq",
+        "--awq_algorithm", "magic", "--calib_dataset", str(calib_file)])
+    assert result.exit_code == 2 and "'magic' is not one of 'lite', 'clip', 'full'" in result.output
+    with pytest.raises(ConfigError, match="--awq_algorithm 'magic' is not supported"):
+        convert_checkpoint(hf_model("llama"), tmp_path / "c", quant=opts("int4_awq", None, calib_file,
+                                                                         awq_algorithm="magic"))
+    assert not (tmp_path / "c").exists()
 
 
 def test_round_to_nearest_matches_modelopt(hf_model, calib_file, tmp_path):

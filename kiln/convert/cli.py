@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable
 import click
 
 from kiln.config import DTYPES, ConfigError
-from kiln.convert.quantize.formats import KV_CACHE_DTYPES, QFORMATS
+from kiln.convert.quantize.formats import AWQ_ALGORITHMS, DEFAULT_AWQ_ALGORITHM, KV_CACHE_DTYPES, QFORMATS
 
 if TYPE_CHECKING:
     from kiln.convert.quantize.pipeline import QuantOptions
@@ -106,6 +106,14 @@ def summary(architecture: str, output_dir: Path, seconds: float) -> str:
                    "fp8 (FP8), int8_wo (W8A16), int4_wo (W4A16, round-to-nearest), int4_awq "
                    "(W4A16_AWQ), int4_gptq (W4A16_GPTQ), w4a8_awq (W4A8_AWQ), int8_sq "
                    "(W8A8_SQ_PER_CHANNEL). All but int8_wo/int4_wo calibrate with NVIDIA ModelOpt.")
+@click.option("--awq_algorithm", type=click.Choice(tuple(AWQ_ALGORITHMS)), default=DEFAULT_AWQ_ALGORITHM,
+              show_default=True,
+              help="ModelOpt's AWQ search for --qformat int4_awq: clip (per weight group, the "
+                   "clipping range with the least output error on the calibration text; no "
+                   "pre-quant scale is written), lite (one per-input-channel scale per linear, "
+                   "written as prequant_scaling_factor) or full (lite then clip, the AWQ paper's "
+                   "method). On Kiln's default model only clip is clearly closer to the unquantized "
+                   "model than int4_wo. w4a8_awq always uses lite.")
 @click.option("--kv_cache_dtype", type=click.Choice(KV_CACHE_DTYPES), default=None,
               help="Quantize the KV cache (per-layer scales from calibration); with or without --qformat.")
 @click.option("--group_size", type=int, default=128, show_default=True,
@@ -124,7 +132,7 @@ def summary(architecture: str, output_dir: Path, seconds: float) -> str:
               help="Evaluation windows for the accuracy report, spread over the text; 0: all.")
 @click.pass_context
 def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | None,
-         tp_size: int, pp_size: int, qformat: str | None, kv_cache_dtype: str | None,
+         tp_size: int, pp_size: int, qformat: str | None, awq_algorithm: str, kv_cache_dtype: str | None,
          group_size: int, calib_dataset: tuple[Path, ...], calib_size: int, calib_max_seq_len: int,
          eval_dataset: tuple[Path, ...], eval_size: int) -> None:
     """Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 model into a TensorRT-LLM-style unified
@@ -145,7 +153,8 @@ def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | Non
         from kiln.convert.quantize.pipeline import QuantOptions
 
         quant = QuantOptions(qformat, kv_cache_dtype, group_size, list(calib_dataset) or None,
-                             calib_size, calib_max_seq_len, list(eval_dataset) or None, eval_size)
+                             calib_size, calib_max_seq_len, list(eval_dataset) or None, eval_size,
+                             awq_algorithm)
     try:
         convert_checkpoint(model_dir, output_dir, dtype, tp_size, pp_size, progress=True, quant=quant,
                            log=lambda msg: click.echo(msg, err=True))

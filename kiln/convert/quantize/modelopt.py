@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 
 from kiln.config import ConfigError
-from kiln.convert.quantize.formats import FORMATS, LINEARS
+from kiln.convert.quantize.formats import (AWQ_ALGORITHMS, DEFAULT_AWQ_ALGORITHM, FORMATS, LINEARS,
+                                          writes_pre_quant_scale)
 from kiln.convert.quantize.gptq import gptq_algorithm
 
 # What this converter can take from a ModelOpt export, by the quant_algo ModelOpt reports.
@@ -51,7 +52,8 @@ def _set_block_size(quant_cfg: list, group_size: int) -> None:
                 c["block_sizes"] = {**c["block_sizes"], -1: group_size}
 
 
-def modelopt_config(qformat: str | None, kv_cache_dtype: str | None, group_size: int) -> dict:
+def modelopt_config(qformat: str | None, kv_cache_dtype: str | None, group_size: int,
+                    awq_algorithm: str = DEFAULT_AWQ_ALGORITHM) -> dict:
     import modelopt.torch.quantization as mtq
 
     if qformat is None:  # KV cache only: every weight and activation left alone
@@ -61,13 +63,16 @@ def modelopt_config(qformat: str | None, kv_cache_dtype: str | None, group_size:
         _set_block_size(config["quant_cfg"], group_size)
         if qformat == "int4_gptq":
             config["algorithm"] = gptq_algorithm(group_size)
+        elif qformat == "int4_awq":  # w4a8_awq keeps its preset's awq_lite
+            config["algorithm"] = {"method": AWQ_ALGORITHMS[awq_algorithm]}
     if kv_cache_dtype is not None:
         config["quant_cfg"] = list(config["quant_cfg"]) + [copy.deepcopy(KV_QUANT_CFG[kv_cache_dtype])]
     return config
 
 
 def quantize_model(model, qformat: str | None, kv_cache_dtype: str | None, group_size: int,
-                   calib: list[torch.Tensor], batch_size: int = 8) -> None:
+                   calib: list[torch.Tensor], batch_size: int = 8,
+                   awq_algorithm: str = DEFAULT_AWQ_ALGORITHM) -> None:
     """Quantize `model` in place (fake-quant modules), calibrating on `calib` token windows."""
     import modelopt.torch.quantization as mtq
 
@@ -80,7 +85,8 @@ def quantize_model(model, qformat: str | None, kv_cache_dtype: str | None, group
             m(input_ids=batch)
 
     with quiet(), torch.no_grad():
-        mtq.quantize(model, modelopt_config(qformat, kv_cache_dtype, group_size), forward_loop)
+        mtq.quantize(model, modelopt_config(qformat, kv_cache_dtype, group_size, awq_algorithm),
+                     forward_loop)
 
 
 def export(model, architecture: str, dtype: str, export_dir: Path) -> None:
@@ -140,18 +146,28 @@ def read_export(export_dir: Path, expected_algo: str | None, num_layers: int,
 
 def quantize_and_export(model, architecture: str, qformat: str | None, kv_cache_dtype: str | None,
                         group_size: int, calib: list[torch.Tensor], num_layers: int, dtype: str,
-                        log: Callable[[str], object] = lambda _: None) -> dict[str, torch.Tensor]:
+                        log: Callable[[str], object] = lambda _: None,
+                        awq_algorithm: str = DEFAULT_AWQ_ALGORITHM) -> dict[str, torch.Tensor]:
     from kiln.config import torch_dtype
 
     what = " + ".join(x for x in (qformat, kv_cache_dtype and f"{kv_cache_dtype} KV cache") if x)
     tokens = sum(len(w) for w in calib)
+    if qformat == "int4_awq":
+        what += f" ({AWQ_ALGORITHMS[awq_algorithm]})"
     log(f"calibrating {what} with ModelOpt on {len(calib)} sample(s), {tokens:,} tokens")
-    quantize_model(model, qformat, kv_cache_dtype, group_size, calib)
+    quantize_model(model, qformat, kv_cache_dtype, group_size, calib, awq_algorithm=awq_algorithm)
     expected = FORMATS[qformat].modelopt_algo if qformat else None
     with tempfile.TemporaryDirectory(prefix="kiln-modelopt-") as tmp:
         export(model, architecture, dtype, Path(tmp))
         _, tensors = read_export(Path(tmp), expected, num_layers, torch_dtype(dtype))
-    if qformat and not FORMATS[qformat].pre_quant_scale:
-        # GPTQ and plain int4 go out under AWQ's name; a pre-quant scale there could only be ones.
+    if qformat and not writes_pre_quant_scale(qformat, awq_algorithm):
+        # GPTQ, awq_clip and plain int4 go out under AWQ's name; a pre-quant scale there could
+        # only be ones. (ModelOpt's own config says pre_quant_scale: true even for awq_clip, whose
+        # export has none; ours says false, see formats.writes_pre_quant_scale.)
         tensors = {k: v for k, v in tensors.items() if not k.endswith("prequant_scaling_factor")}
+    elif qformat:  # the config will say pre_quant_scale: true, so every linear must have one
+        missing = [p for p in (f"transformer.layers.{i}.{n}" for i in range(num_layers) for n in LINEARS)
+                   if f"{p}.prequant_scaling_factor" not in tensors]
+        if missing:
+            raise ConfigError(f"ModelOpt's {qformat} export lacks {missing[0]}.prequant_scaling_factor")
     return tensors

@@ -12,7 +12,8 @@ import torch
 
 from kiln.config import ConfigError, Mapping, PretrainedConfig, torch_dtype
 from kiln.convert.quantize.calib import make_split, read_texts
-from kiln.convert.quantize.formats import FORMATS, check_options, linear_prefixes, quant_config
+from kiln.convert.quantize.formats import (AWQ_ALGORITHMS, DEFAULT_AWQ_ALGORITHM, FORMATS, check_options,
+                                          linear_prefixes, quant_config)
 
 Dataset = str | Path | Sequence[str | Path] | None
 
@@ -27,6 +28,7 @@ class QuantOptions:
     calib_max_seq_len: int = 512
     eval_dataset: Dataset = None
     eval_size: int = 64  # evaluation windows; 0: all of them
+    awq_algorithm: str = DEFAULT_AWQ_ALGORITHM  # int4_awq only: lite, clip or full (formats.py)
 
     @property
     def enabled(self) -> bool:
@@ -46,7 +48,7 @@ class Prepared:
 
 def prepare(cfg: PretrainedConfig, opts: QuantOptions) -> tuple[PretrainedConfig, Prepared]:
     """Check the options and read the datasets: every bad input fails here, before any work."""
-    check_options(cfg, opts.qformat, opts.kv_cache_dtype, opts.group_size)
+    check_options(cfg, opts.qformat, opts.kv_cache_dtype, opts.group_size, opts.awq_algorithm)
     for name in ("calib_size", "calib_max_seq_len"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(opts, name)}")
@@ -59,7 +61,7 @@ def prepare(cfg: PretrainedConfig, opts: QuantOptions) -> tuple[PretrainedConfig
         eval_texts=read_texts(opts.eval_dataset, "evaluation") if opts.eval_dataset is not None else None,
     )
     quantized = dataclasses.replace(cfg, quantization=quant_config(opts.qformat, opts.kv_cache_dtype,
-                                                                   opts.group_size))
+                                                                   opts.group_size, opts.awq_algorithm))
     return quantized, texts
 
 
@@ -99,8 +101,11 @@ def quantize(cfg: PretrainedConfig, opts: QuantOptions, texts: Prepared, weights
         quant_model = _load_hf(model_dir)
         ref_model = copy.deepcopy(quant_model) if split.eval else None
         quantized = quantize_and_export(quant_model, cfg.architecture, opts.qformat, opts.kv_cache_dtype,
-                                        group, split.calib, cfg.num_hidden_layers, cfg.dtype, log)
+                                        group, split.calib, cfg.num_hidden_layers, cfg.dtype, log,
+                                        opts.awq_algorithm)
         method = f"ModelOpt {FORMATS[opts.qformat].modelopt_cfg if opts.qformat else 'KV cache'}"
+        if opts.qformat == "int4_awq":
+            method += f" ({AWQ_ALGORITHMS[opts.awq_algorithm]})"
     else:
         log(f"quantizing {opts.qformat} by round-to-nearest (no calibration)")
         quantized = {}

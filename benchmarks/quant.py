@@ -13,6 +13,7 @@ accuracy columns come from the converter's report (quant_report.json).
 import argparse
 import importlib.util
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,8 @@ def main():
     ap.add_argument("--output_len", type=int, default=64)
     ap.add_argument("--prefill_len", type=int, default=256)
     ap.add_argument("--reuse", action="store_true", help="measure engines already built in --work_dir again")
+    ap.add_argument("--rebuild", action="store_true",
+                    help="reuse the checkpoints in --work_dir, build their engines again (after an engine change)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -91,10 +94,12 @@ def main():
         ckpt, engine_dir = work / f"ckpt_{run}", work / f"engine_{run}"
         convert_s = build_s = None
         if not (args.reuse and (engine_dir / "config.json").exists()):
-            start = time.perf_counter()
-            convert_checkpoint(hf_dir, ckpt, dtype="bfloat16", quant=quant if quant.enabled else None,
-                               log=lambda m: print(f"  {m}", file=sys.stderr))
-            convert_s = time.perf_counter() - start
+            if not (args.rebuild and (ckpt / "config.json").exists()):
+                start = time.perf_counter()
+                convert_checkpoint(hf_dir, ckpt, dtype="bfloat16", quant=quant if quant.enabled else None,
+                                   log=lambda m: print(f"  {m}", file=sys.stderr))
+                convert_s = time.perf_counter() - start
+            shutil.rmtree(engine_dir, ignore_errors=True)
             start = time.perf_counter()
             build_engine(ckpt, engine_dir, BuildConfig(**build), log=lambda m: print(f"  {m}", file=sys.stderr))
             build_s = time.perf_counter() - start

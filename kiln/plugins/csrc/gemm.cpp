@@ -63,6 +63,13 @@ OutType out_type_of(at::ScalarType t) {
   }
 }
 
+template <typename T>
+void to_float(const T* in, float* out, int64_t count) {
+  at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(in[i]);
+  });
+}
+
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   TORCH_CHECK(!shape.empty(), kOp, "x must have at least one dimension");
@@ -111,10 +118,25 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
     p.bias = bias_f.const_data_ptr<float>();
   }
 
-  const at::Tensor x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();
   at::Tensor out = at::empty(out_shape(x, n), x.options().dtype(out_dtype));
-  p.x = x2.const_data_ptr<float>();
-  p.M = x2.size(0);
+  p.M = K == 0 ? 0 : x.numel() / K;
+  // x as float32 [M, K]: converted here rather than by ATen ops, whose dispatch costs more than a
+  // decode step's conversion (the GEMM runs ~120 times per step).
+  thread_local std::vector<float> x_float;
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) {
+    p.x = x.const_data_ptr<float>();
+  } else {
+    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+    x_float.resize(p.M * K);
+    if (xc.scalar_type() == at::kBFloat16) {
+      to_float(xc.const_data_ptr<c10::BFloat16>(), x_float.data(), p.M * K);
+    } else if (xc.scalar_type() == at::kHalf) {
+      to_float(xc.const_data_ptr<c10::Half>(), x_float.data(), p.M * K);
+    } else {
+      to_float(xc.const_data_ptr<float>(), x_float.data(), p.M * K);
+    }
+    p.x = x_float.data();
+  }
   p.K = K;
   p.w = weight.const_data_ptr();
   p.format = format;

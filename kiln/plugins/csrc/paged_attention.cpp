@@ -229,11 +229,16 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   std::vector<float> partial(gen_parts * H * (D + 2));
   std::vector<Combine> combines;
   float* next_partial = partial.data();
+  // Fewer tokens than threads (a batch-1 decode): one item per KV head, so that every thread works.
+  const bool split_heads = static_cast<int64_t>(items.size()) + Sg < threads;
   for (int64_t i = 0; i < Sg; ++i) {
     const int64_t length = gl[i];
     const int32_t* table = gt + i * gen_tables.size(1);
     if (part_len[i] == 0) {
-      items.push_back({gi + i, 1, length - 1, table, 0, KH, 0, length, nullptr, (G + 1) * KH * length});
+      for (int64_t kh = 0; kh < KH; kh += split_heads ? 1 : KH) {
+        const int64_t end = split_heads ? kh + 1 : KH;
+        items.push_back({gi + i, 1, length - 1, table, kh, end, 0, length, nullptr, (G + 1) * (end - kh) * length});
+      }
       continue;
     }
     combines.push_back({gi[i], next_partial, 0});

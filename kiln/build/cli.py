@@ -17,8 +17,9 @@ BUILD_OPTIONS = [
     click.option("--backend", type=click.Choice(BACKENDS), default="aoti", show_default=True,
                  help="aoti: AOTInductor-compiled package; eager: the exported program, uncompiled."),
     click.option("--max_autotune/--no_max_autotune", default=None,
-                 help="aoti: benchmark GEMM kernels while compiling (a longer build; 2-3x faster bf16/fp16 "
-                      "GEMMs on CPU). Default: on for bf16/fp16 checkpoints, off for float32."),
+                 help="aoti: benchmark Inductor's GEMM kernels while compiling (a longer build; 2-3x faster "
+                      "bf16/fp16 GEMMs than ATen's on CPU). Default: on for bf16/fp16 builds with "
+                      "--gemm_plugin inline; off otherwise (the plugin leaves no GEMM to tune)."),
     click.option("--gpt_attention_plugin", type=click.Choice(["cpp", "inline", "auto"]), default=None,
                  help="Paged attention as the C++ plugin (reads KV pages in place), traced inline for the "
                       "compiler, or the kiln:: Python op (debugging). Default: cpp for aoti, inline for "

@@ -4,7 +4,8 @@ A layer is built from one or more checkpoint linears that share their input (qkv
 and runs them as one GEMM whose output rows are the parts' rows in order. Per-channel and per-group
 scales concatenate along the output dim and per-tensor weight scales become per-row ones, so fusing
 is exact; parts whose input-side scales differ (AWQ smooths mlp.fc and mlp.gate separately) run as
-separate GEMMs whose outputs are concatenated.
+separate GEMMs whose outputs are concatenated. With packed=True (gemm_plugin "cpp") every layer is a
+PackedLinear on the C++ GEMM plugin instead of ATen's kernels.
 """
 from fnmatch import fnmatch
 

@@ -1,9 +1,11 @@
 """Quantized GEMMs and 8-bit KV storage, in the layouts NVIDIA ModelOpt exports for TensorRT-LLM.
 
 Each format has a reference (dequantize to float32, fake-quantize the activation with its static
-scale, matmul: the spec) and a fast CPU path on a PyTorch kernel that AOTInductor compiles:
+scale, matmul: the spec) and two fast CPU paths: the C++ GEMM plugin (kiln/plugins/gemm.py, the
+default for aoti builds: weights packed in their stored width and decoded inside the kernel), and
+PyTorch kernels that eager builds and `--gemm_plugin inline` use:
 
-| quant_algo           | weight                | activation           | CPU kernel                              |
+| quant_algo           | weight                | activation           | ATen kernel (gemm_plugin inline)        |
 |----------------------|-----------------------|----------------------|-----------------------------------------|
 | W8A16                | int8, scale [out]     | model dtype          | aten._weight_int8pack_mm                |
 | W4A16(_AWQ/_GPTQ)    | int4, scale [out, g]  | model dtype (* pqs)  | aten._weight_int4pack_mm_for_cpu        |

@@ -238,11 +238,29 @@ inline void rows(const GemmParams& p, const Panel& w, int64_t row0, int64_t pane
   finish<MR>(p, row0, panel, acc);
 }
 
-// The direct path for int4: per group, S sets of partial sums (even/odd k, and two pairs in flight
-// for one row) keep the FMA pipes busy; the group scale then folds them into acc.
+// One k pair of the int4 direct path: even k into partial set L, odd k into set H (compile-time
+// indices, so the partial sums stay in registers).
+template <int MR, int L, int H, int S>
+inline void int4_step(const uint8_t* w, const float* x, int64_t ldx, int64_t k, __m256 (&part)[S][MR][2]) {
+  __m256 l0, l1, h0, h1;
+  int4_pair(w, k, l0, l1, h0, h1);
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    const __m256 x0 = _mm256_broadcast_ss(x + m * ldx + k), x1 = _mm256_broadcast_ss(x + m * ldx + k + 1);
+    part[L][m][0] = _mm256_fmadd_ps(x0, l0, part[L][m][0]);
+    part[L][m][1] = _mm256_fmadd_ps(x0, l1, part[L][m][1]);
+    part[H][m][0] = _mm256_fmadd_ps(x1, h0, part[H][m][0]);
+    part[H][m][1] = _mm256_fmadd_ps(x1, h1, part[H][m][1]);
+  }
+}
+
+// The direct path for int4: per group, partial sums for even and odd k (for 1-2 rows; more rows
+// are independent chains already) keep the FMA pipes busy; the group scale then folds them into acc.
+// On AVX2 the widening costs about as many instructions per weight as bf16's, so int4 buys
+// bandwidth, not compute: at batch 1 it runs at about 1.3-1.5x bf16, not 4x.
 template <int MR>
 inline void rows(const GemmParams& p, const Int4Panel& w, int64_t row0, int64_t panel, int64_t K) {
-  constexpr int S = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  constexpr int S = MR <= 2 ? 2 : 1;
   const float* x = p.x + row0 * p.K;
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -251,29 +269,22 @@ inline void rows(const GemmParams& p, const Int4Panel& w, int64_t row0, int64_t 
 #pragma GCC unroll 8
     for (int u = 0; u < S; ++u)
       for (int m = 0; m < MR; ++m) part[u][m][0] = part[u][m][1] = _mm256_setzero_ps();
-    const int64_t end = (group + 1) << w.group_shift;
-    for (int64_t k = group << w.group_shift; k < end; k += 2 * (S == 4 ? 2 : 1)) {
-#pragma GCC unroll 2
-      for (int pair = 0; pair < (S == 4 ? 2 : 1); ++pair) {
-        const int64_t kk = k + 2 * pair;
-        __m256 l0, l1, h0, h1;
-        int4_pair(w.w, kk, l0, l1, h0, h1);
-        constexpr int odd = S >= 2 ? 1 : 0;
-        const int even_set = S == 4 ? 2 * pair : 0;
-#pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) {
-          const __m256 x0 = _mm256_broadcast_ss(x + m * p.K + kk), x1 = _mm256_broadcast_ss(x + m * p.K + kk + 1);
-          part[even_set][m][0] = _mm256_fmadd_ps(x0, l0, part[even_set][m][0]);
-          part[even_set][m][1] = _mm256_fmadd_ps(x0, l1, part[even_set][m][1]);
-          part[even_set + odd][m][0] = _mm256_fmadd_ps(x1, h0, part[even_set + odd][m][0]);
-          part[even_set + odd][m][1] = _mm256_fmadd_ps(x1, h1, part[even_set + odd][m][1]);
-        }
+    const int64_t end = (group + 1) << w.group_shift;  // groups are >= 16 k: whole steps of 4
+    for (int64_t k = group << w.group_shift; k < end; k += 4) {
+      if constexpr (S == 2) {
+        int4_step<MR, 0, 1>(w.w, x, p.K, k, part);
+        int4_step<MR, 0, 1>(w.w, x, p.K, k + 2, part);
+      } else {
+        int4_step<MR, 0, 0>(w.w, x, p.K, k, part);
+        int4_step<MR, 0, 0>(w.w, x, p.K, k + 2, part);
       }
     }
     __m256 s0, s1;
     w.group_scale(group, s0, s1);
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       __m256 a = part[0][m][0], b = part[0][m][1];
+#pragma GCC unroll 4
       for (int u = 1; u < S; ++u) {
         a = _mm256_add_ps(a, part[u][m][0]);
         b = _mm256_add_ps(b, part[u][m][1]);

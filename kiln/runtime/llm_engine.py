@@ -179,7 +179,9 @@ class LLMEngine:
         self.engine.copy_blocks(copies)
         if not seqs:
             return
-        result = self.sampler(logits[rows], [
+        # Every row in order (the common decode step): no gather copy of [rows, vocab] logits.
+        picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
+        result = self.sampler(picked, [
             SampleRow(s.request.params, s.request.prompt_token_ids, s.output_token_ids, s.generator,
                       self.eos_token_ids) for s in seqs])
         now = time.monotonic()

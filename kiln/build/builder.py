@@ -122,8 +122,8 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
         build.kv_cache_dtype = real
     if build.plugin_config.get("gemm_plugin") is None:
         # Measured (benchmarks/throughput.py, SmolLM-135M shape, bf16, against autotuned Inductor
-        # GEMMs): decode at batch 16 and 64 1.7-1.8x, prefill 2.1x, build 0.6x the time, engine half
-        # the size. float32 keeps ATen's GEMMs: MKL's sgemm has no weights to decode, and float32
+        # GEMMs, on a noisy shared machine): batch-1 decode 1.1-1.3x, batch 16 and 64 1.2-1.8x,
+        # prefill 1.1-2.1x, build 0.6x the time, engine half the size. float32 keeps ATen's GEMMs: MKL's sgemm has no weights to decode, and float32
         # engines are the HF-parity reference.
         use_cpp = build.backend == "aoti" and (pretrained.dtype != "float32" or bool(pretrained.quantization.quant_algo))
         build.plugin_config["gemm_plugin"] = "cpp" if use_cpp else "inline"

@@ -1,5 +1,5 @@
 // Shared by the op's registration (gemm.cpp) and the per-CPU-capability kernels
-// (gemm_{default,avx2}.cpp). Plain data only, as in paged_attention.h.
+// (kernels_{default,avx2}.cpp). Plain data only, as in paged_attention.h.
 #pragma once
 
 #include <cstdint>

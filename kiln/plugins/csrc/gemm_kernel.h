@@ -1,5 +1,5 @@
 // The weight-panel GEMM kernel, compiled once per CPU capability as paged_attention_kernel.h is:
-// gemm_<cap>.cpp defines CPU_CAPABILITY (the namespace) and the target options, then includes this.
+// kernels_<cap>.cpp defines CPU_CAPABILITY (the namespace) and the target options, then includes this.
 //
 // out[M, n] = x[M, K] . W^T, times a per-column scale, plus bias. W is stored in panels of 16 output
 // columns, [panels, K, 16]: a panel is one contiguous stream, a thread's share of the panels is one

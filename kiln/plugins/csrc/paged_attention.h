@@ -1,7 +1,7 @@
 // Shared by the op's registration (paged_attention.cpp) and the per-CPU-capability kernels
-// (paged_attention_{default,avx2,avx512}.cpp). Plain data only: no ATen types cross this line, so a
-// kernel translation unit compiled for AVX2 / AVX-512 shares as little inline code as possible with
-// the code that runs before the CPU's capability is known.
+// (kernels_{default,avx2}.cpp, paged_attention_avx512.cpp). Plain data only: no ATen types cross
+// this line, so a kernel translation unit compiled for AVX2 / AVX-512 shares as little inline code
+// as possible with the code that runs before the CPU's capability is known.
 #pragma once
 
 #include <cstdint>

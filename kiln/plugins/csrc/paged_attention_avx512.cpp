@@ -1,5 +1,5 @@
 // The kernel for ATen's AVX512 capability (AVX-512 F/BW/VL/DQ + AVX2 + FMA + F16C), selected at run
-// time by paged_attention.cpp; built as paged_attention_avx2.cpp is.
+// time by paged_attention.cpp; built as kernels_avx2.cpp is.
 #include "paged_attention_x86.h"
 
 #if KILN_X86_KERNELS

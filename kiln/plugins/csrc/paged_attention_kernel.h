@@ -1,9 +1,9 @@
 // The paged-attention kernel, written once against ATen's at::vec::Vectorized<float> and compiled
-// once per CPU capability, as ATen builds its own kernels: paged_attention_<cap>.cpp defines
-// CPU_CAPABILITY (which names the namespace the code lands in, and ATen's vec namespace) and
-// CPU_CAPABILITY_AVX2 / CPU_CAPABILITY_AVX512 with the matching target options, then includes this
-// file. No raw intrinsics: the same source is plain C++ loops (DEFAULT), 8-wide AVX2 or 16-wide
-// AVX-512, and builds on any CPU ATen supports.
+// once per CPU capability, as ATen builds its own kernels: kernels_<cap>.cpp or
+// paged_attention_avx512.cpp defines CPU_CAPABILITY (which names the namespace the code lands in,
+// and ATen's vec namespace) and CPU_CAPABILITY_AVX2 / CPU_CAPABILITY_AVX512 with the matching
+// target options, then includes this file. No raw intrinsics: the same source is plain C++ loops
+// (DEFAULT), 8-wide AVX2 or 16-wide AVX-512, and builds on any CPU ATen supports.
 //
 // A work item (paged_attention.h) is some query tokens of one sequence against some KV heads: a
 // context-phase tile (a few dozen tokens, one KV head) or a generation-phase token (all KV heads,

@@ -1,5 +1,5 @@
-// The kernel for ATen's AVX2 capability (AVX2 + FMA + F16C), selected at run time by
-// paged_attention.cpp. Built into the same library as the rest, so the target options are set for
+// The kernels for ATen's AVX2 capability (AVX2 + FMA + F16C): paged attention, selected at run time
+// by paged_attention.cpp, and the GEMM, which gemm.cpp also runs on AVX-512 CPUs. Built into the same library as the rest, so the target options are set for
 // this file only, here: cpp_extension has one set of flags for all sources. On other
 // architectures and compilers this file is empty and the DEFAULT kernel runs.
 #include "paged_attention_x86.h"
@@ -24,6 +24,7 @@
 #define __F16C__ 1
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
+#include "gemm_kernel.h"
 #include "paged_attention_kernel.h"
 #if defined(__clang__)
 #pragma clang attribute pop

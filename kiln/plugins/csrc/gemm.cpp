@@ -93,12 +93,9 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
 
   GemmParams p{};
   at::Tensor scale_f, bias_f;
-  if (format == WeightFormat::Int8 || format == WeightFormat::Fp8E4M3 || format == WeightFormat::Int4) {
-    TORCH_CHECK(scale.has_value(), kOp, weight.scalar_type(), " weights need a scale");
-    scale_f = scale->to(at::kFloat).contiguous();
-  } else if (scale.has_value()) {
-    scale_f = scale->to(at::kFloat).contiguous();
-  }
+  const bool quantized = format == WeightFormat::Int8 || format == WeightFormat::Fp8E4M3 || format == WeightFormat::Int4;
+  TORCH_CHECK(scale.has_value() || !quantized, kOp, weight.scalar_type(), " weights need a scale");
+  if (scale.has_value()) scale_f = scale->to(at::kFloat).contiguous();
   if (format == WeightFormat::Int4) {
     TORCH_CHECK(group_size >= 16 && (group_size & (group_size - 1)) == 0 && K % group_size == 0, kOp,
                 "group_size must be a power of two >= 16 dividing K = ", K, ", got ", group_size);
@@ -122,18 +119,16 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
   p.M = K == 0 ? 0 : x.numel() / K;
   // x as float32 [M, K]: converted here rather than by ATen ops, whose dispatch costs more than a
   // decode step's conversion (the GEMM runs ~120 times per step).
+  const at::Tensor xc = x.contiguous();
   thread_local std::vector<float> x_float;
-  if (x.scalar_type() == at::kFloat && x.is_contiguous()) {
-    p.x = x.const_data_ptr<float>();
+  if (xc.scalar_type() == at::kFloat) {
+    p.x = xc.const_data_ptr<float>();
   } else {
-    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
     x_float.resize(p.M * K);
     if (xc.scalar_type() == at::kBFloat16) {
       to_float(xc.const_data_ptr<c10::BFloat16>(), x_float.data(), p.M * K);
-    } else if (xc.scalar_type() == at::kHalf) {
-      to_float(xc.const_data_ptr<c10::Half>(), x_float.data(), p.M * K);
     } else {
-      to_float(xc.const_data_ptr<float>(), x_float.data(), p.M * K);
+      to_float(xc.const_data_ptr<c10::Half>(), x_float.data(), p.M * K);
     }
     p.x = x_float.data();
   }

@@ -20,13 +20,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/enum_tag.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -72,6 +73,23 @@ DType dtype_of(const at::Tensor& t, const char* name) {
 
 void check_dim(const at::Tensor& t, int64_t dim, const char* name, const char* shape) {
   TORCH_CHECK(t.dim() == dim, kOp, name, " must be ", shape, ", got shape ", t.sizes());
+}
+
+// t's values as Out (int64_t or int32_t): its data when it already is Out and contiguous, else a
+// copy in `copy`.
+template <typename Out>
+const Out* index_data(const at::Tensor& t, const char* name, std::vector<Out>& copy) {
+  const at::ScalarType type = t.scalar_type();
+  TORCH_CHECK(type == at::kInt || type == at::kLong, kOp, name, " must be int32 or int64, got ", type);
+  if (type == c10::CppTypeToScalarType<Out>::value && t.is_contiguous()) return t.const_data_ptr<Out>();
+  const at::Tensor c = t.contiguous();
+  copy.resize(c.numel());
+  if (type == at::kInt) {
+    std::copy(c.const_data_ptr<int32_t>(), c.const_data_ptr<int32_t>() + c.numel(), copy.begin());
+  } else {
+    std::copy(c.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>() + c.numel(), copy.begin());
+  }
+  return copy.data();
 }
 
 // Generation sequences shorter than two partitions are never split.
@@ -144,16 +162,22 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
               "gen_token_index, gen_block_tables and gen_context_lens disagree on the number of generation "
               "requests: ", Sg, ", ", gen_block_tables.size(0), ", ", gen_context_lens.size(0));
 
-  // The step's metadata is small ([S, MB] at most); these are no-ops for the runtime's dtypes.
-  const at::Tensor ctx_index = ctx_token_index.to(at::kLong).contiguous();
-  const at::Tensor ctx_tables = ctx_block_tables.to(at::kInt).contiguous();
-  const at::Tensor ctx_lens = ctx_context_lens.to(at::kLong).contiguous();
-  const at::Tensor gen_index = gen_token_index.to(at::kLong).contiguous();
-  const at::Tensor gen_tables = gen_block_tables.to(at::kInt).contiguous();
-  const at::Tensor gen_lens = gen_context_lens.to(at::kLong).contiguous();
+  // The step's metadata, read in place when it comes as the kernel reads it (int64 indices and
+  // lengths, int32 block tables), as the runtime passes it: no ATen op per tensor per layer.
+  std::vector<int64_t> ci_copy, cl_copy, gi_copy, gl_copy;
+  std::vector<int32_t> ct_copy, gt_copy;
+  const int64_t* ci = index_data(ctx_token_index, "ctx_token_index", ci_copy);
+  const int64_t* cl = index_data(ctx_context_lens, "ctx_context_lens", cl_copy);
+  const int32_t* ct = index_data(ctx_block_tables, "ctx_block_tables", ct_copy);
+  const int64_t* gi = index_data(gen_token_index, "gen_token_index", gi_copy);
+  const int64_t* gl = index_data(gen_context_lens, "gen_context_lens", gl_copy);
+  const int32_t* gt = index_data(gen_block_tables, "gen_block_tables", gt_copy);
+  const int64_t ct_width = ctx_block_tables.size(1), gt_width = gen_block_tables.size(1);
   const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
-  at::Tensor out = at::zeros(q.sizes(), q.options());  // contiguous; tokens in neither phase stay 0
+  // Contiguous; the rows of tokens in neither phase are zeroed below.
+  at::Tensor out = at::empty(q.sizes(), q.options());
   if (T == 0 || H == 0 || D == 0) return out;
+  std::vector<char> covered(T, 0);
 
   auto check_pages = [&](const int32_t* table, int64_t width, int64_t length, const char* phase, int64_t i) {
     const int64_t pages = (length + bs - 1) / bs;
@@ -172,9 +196,6 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   std::vector<int64_t> ctx_tokens;
   ctx_tokens.reserve(Sc * Qmax);  // never reallocated below: items point into it
   std::vector<WorkItem> items;
-  const int64_t* ci = ctx_index.const_data_ptr<int64_t>();
-  const int64_t* cl = ctx_lens.const_data_ptr<int64_t>();
-  const int32_t* ct = ctx_tables.const_data_ptr<int32_t>();
   for (int64_t i = 0; i < Sc; ++i) {
     const int64_t first = static_cast<int64_t>(ctx_tokens.size());
     for (int64_t j = 0; j < Qmax; ++j) {
@@ -183,13 +204,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
       TORCH_CHECK(token < T, kOp, "ctx_token_index[", i, ", ", j, "] = ", token, " is outside the step's ", T,
                   " tokens");
       ctx_tokens.push_back(token);
+      covered[token] = 1;
     }
     const int64_t q_len = static_cast<int64_t>(ctx_tokens.size()) - first, length = cl[i];
     if (q_len == 0) continue;
     TORCH_CHECK(q_len <= length, kOp, "context request ", i, " has ", q_len, " new tokens but context length ",
                 length, " (cached + new)");
-    const int32_t* table = ct + i * ctx_tables.size(1);
-    check_pages(table, ctx_tables.size(1), length, "context", i);
+    const int32_t* table = ct + i * ct_width;
+    check_pages(table, ct_width, length, "context", i);
     for (int64_t t0 = 0; t0 < q_len; t0 += tile) {
       const int64_t n = std::min(tile, q_len - t0), first_pos = length - q_len + t0;
       const int64_t cost = n * G * (first_pos + (n + 1) / 2) + first_pos + n;
@@ -199,16 +221,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
       }
     }
   }
-  const int64_t* gi = gen_index.const_data_ptr<int64_t>();
-  const int64_t* gl = gen_lens.const_data_ptr<int64_t>();
-  const int32_t* gt = gen_tables.const_data_ptr<int32_t>();
   int64_t total_cost = 0, gen_parts = 0;
   for (const WorkItem& it : items) total_cost += it.cost;
   for (int64_t i = 0; i < Sg; ++i) {
     TORCH_CHECK(gi[i] >= 0 && gi[i] < T, kOp, "gen_token_index[", i, "] = ", gi[i], " is outside the step's ", T,
                 " tokens");
     TORCH_CHECK(gl[i] >= 1, kOp, "generation request ", i, " has context length ", gl[i], "; expected >= 1");
-    check_pages(gt + i * gen_tables.size(1), gen_tables.size(1), gl[i], "generation", i);
+    check_pages(gt + i * gt_width, gt_width, gl[i], "generation", i);
+    covered[gi[i]] = 1;
     total_cost += (G + 1) * KH * gl[i];
   }
   // A generation token is one work item over all KV heads: its pages are read once, whole. When a
@@ -233,7 +253,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   const bool split_heads = static_cast<int64_t>(items.size()) + Sg < threads;
   for (int64_t i = 0; i < Sg; ++i) {
     const int64_t length = gl[i];
-    const int32_t* table = gt + i * gen_tables.size(1);
+    const int32_t* table = gt + i * gt_width;
     if (part_len[i] == 0) {
       for (int64_t kh = 0; kh < KH; kh += split_heads ? 1 : KH) {
         const int64_t end = split_heads ? kh + 1 : KH;
@@ -249,6 +269,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
       ++combines.back().parts;
     }
   }
+  const int64_t row = H * D * static_cast<int64_t>(out.element_size());
+  for (int64_t t = 0; t < T; ++t) {
+    if (!covered[t]) std::memset(static_cast<char*>(out.mutable_data_ptr()) + t * row, 0, row);
+  }
   if (items.empty()) return out;
 
   // Largest first, handed out dynamically: a long prefill tile and many short decodes balance.
@@ -261,9 +285,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   p.q_token_stride = qc.stride(0);
   p.q_head_stride = qc.stride(1);
   p.out = out.mutable_data_ptr();
-  const at::Tensor pool = kv_cache.select(0, layer);  // a view: nothing is copied
-  p.k = pool.select(0, 0).const_data_ptr();
-  p.v = pool.select(0, 1).const_data_ptr();
+  const char* pool = static_cast<const char*>(kv_cache.const_data_ptr()) +
+                     layer * kv_cache.stride(0) * static_cast<int64_t>(kv_cache.element_size());
+  p.k = pool;
+  p.v = pool + kv_cache.stride(1) * static_cast<int64_t>(kv_cache.element_size());
   p.kv_dtype = kv_dtype;
   p.block_stride = kv_cache.stride(2);
   p.token_stride = kv_cache.stride(3);
@@ -281,7 +306,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   const int64_t n_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n_items, threads), 1, [&](int64_t, int64_t) {
-    std::vector<float> buffer(scratch);
+    thread_local std::vector<float> buffer;
+    buffer.resize(scratch);
     for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) k.attend(p, items[i], buffer.data());
   });
   if (!combines.empty()) {

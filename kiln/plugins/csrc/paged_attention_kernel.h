@@ -280,6 +280,128 @@ inline void prefetch_rows(const T* base, int64_t stride, int64_t n, int64_t D) {
 #endif
 }
 
+// W values of a K/V row as float: read in place, widened in registers.
+template <typename T>
+inline Vec load_vec(const T* src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(src);
+  } else {
+    Vec x;
+    at::vec::load_to_float(src, x);
+    return x;
+  }
+}
+
+// Generation-phase pages (one query token: a GQA group of G rows per KV head) are attended straight
+// from the pool, R <= 4 rows at a time: each K/V element is widened once, in registers, and feeds
+// every row; a key's score is left as W lane sums (part[r][t][0, W)), and W keys' lanes are summed
+// together after one W x W transpose instead of one horizontal sum per key and row.
+constexpr int64_t kDecodeRows = 4;
+
+// ND = D / W, known at compile time for the common head sizes so that the loop over D unrolls; two
+// accumulators per row halve the FMA chain.
+template <typename T, int R, int ND>
+inline void decode_lanes(const float* q, int64_t D, const T* kp, int64_t stride, int64_t n, float* part,
+                         int64_t Bp) {
+  const int64_t nd = ND > 0 ? ND : D / W;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* kr = kp + t * stride;
+    Vec acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
+    for (int64_t j = 0; j < nd; ++j) {
+      const Vec k = load_vec(kr + j * W);
+      for (int r = 0; r < R; ++r) acc[r][j % 2] = at::vec::fmadd(Vec::loadu(q + r * D + j * W), k, acc[r][j % 2]);
+    }
+    for (int r = 0; r < R; ++r) (acc[r][0] + acc[r][1]).store(part + (r * Bp + t) * W);
+  }
+}
+
+template <typename T, int R>
+inline void decode_lanes(const float* q, int64_t D, const T* kp, int64_t stride, int64_t n, float* part,
+                         int64_t Bp) {
+  switch (D / W) {
+    case 4: return decode_lanes<T, R, 4>(q, D, kp, stride, n, part, Bp);
+    case 8: return decode_lanes<T, R, 8>(q, D, kp, stride, n, part, Bp);
+    case 16: return decode_lanes<T, R, 16>(q, D, kp, stride, n, part, Bp);
+    default: return decode_lanes<T, R, 0>(q, D, kp, stride, n, part, Bp);
+  }
+}
+
+// s[t] = sum of the W lanes of part[t], t < n (rounded up to W).
+inline void sum_lanes(const float* part, int64_t n, float* s) {
+  float tr[W * W];
+  for (int64_t t0 = 0; t0 < n; t0 += W) {
+    at::vec::transpose_mxn<float, W, W>(part + t0 * W, W, tr, W);
+    Vec sum = Vec::loadu(tr);
+    for (int64_t j = 1; j < W; ++j) sum = sum + Vec::loadu(tr + j * W);
+    sum.store(s + t0);
+  }
+}
+
+// o[r][0, D) = o[r] * corr[r] + sum_{t < n} p[r][t] * v_t for R rows, CH vectors of D at a time
+// in registers (R * CH accumulators).
+template <typename T, int R, int CH>
+inline void decode_pv(float* o, const float* corr, const float* p, int64_t Bp, const T* vp, int64_t stride,
+                      int64_t n, int64_t D) {
+  for (int64_t c = 0; c < D; c += CH * W) {
+    Vec acc[R][CH];
+    for (int r = 0; r < R; ++r) {
+      const Vec cr(corr[r]);
+      for (int k = 0; k < CH; ++k) acc[r][k] = Vec::loadu(o + r * D + c + k * W) * cr;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const T* vr = vp + t * stride + c;
+      Vec v[CH];
+      for (int k = 0; k < CH; ++k) v[k] = load_vec(vr + k * W);
+      for (int r = 0; r < R; ++r) {
+        const Vec pt(p[r * Bp + t]);
+        for (int k = 0; k < CH; ++k) acc[r][k] = at::vec::fmadd(pt, v[k], acc[r][k]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int k = 0; k < CH; ++k) acc[r][k].store(o + r * D + c + k * W);
+    }
+  }
+}
+
+// Whether decode_page takes a head_dim: whole pairs of vectors (the CH of decode_pv).
+inline bool decode_fits(int64_t D) { return D % (2 * W) == 0; }
+
+template <typename T, int R>
+inline void decode_rows_pv(float* o, const float* corr, const float* p, int64_t Bp, const T* vp, int64_t stride,
+                           int64_t n, int64_t D) {
+  // One row alone has too few accumulators at two vectors wide to hide the FMA latency.
+  if (R == 1 && D % (4 * W) == 0) return decode_pv<T, 1, 4>(o, corr, p, Bp, vp, stride, n, D);
+  decode_pv<T, R, 2>(o, corr, p, Bp, vp, stride, n, D);
+}
+
+template <typename T, int R>
+inline void decode_rows(const float* q, float* o, const float* corr, float* s, float* part, int64_t Bp,
+                        const T* kp, const T* vp, int64_t stride, int64_t n, int64_t D, bool scores) {
+  if (scores) {
+    decode_lanes<T, R>(q, D, kp, stride, n, part, Bp);
+    for (int r = 0; r < R; ++r) sum_lanes(part + r * Bp * W, n, s + r * Bp);
+  } else {
+    decode_rows_pv<T, R>(o, corr, s, Bp, vp, stride, n, D);
+  }
+}
+
+// A page's scores (scores = true) or its p.V (false) for `rows` rows, in groups of kDecodeRows.
+template <typename T>
+void decode_pass(const float* q, float* o, const float* corr, float* s, float* part, int64_t rows, int64_t Bp,
+                 const T* kp, const T* vp, int64_t stride, int64_t n, int64_t D, bool scores) {
+  for (int64_t r = 0; r < rows; r += kDecodeRows) {
+    const float* qr = q + r * D;
+    float* orow = o + r * D;
+    switch (std::min(kDecodeRows, rows - r)) {
+      case 1: decode_rows<T, 1>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, scores); break;
+      case 2: decode_rows<T, 2>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, scores); break;
+      case 3: decode_rows<T, 3>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, scores); break;
+      default: decode_rows<T, 4>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, scores); break;
+    }
+  }
+}
+
 // Running state of one KV head's query rows (rows of them): see attend_impl.
 struct HeadRows {
   const float* q;  // [rows][Dp] queries times scale; row r = j * G + g
@@ -289,12 +411,43 @@ struct HeadRows {
   float* corr;     // [rows] this page's correction exp(m_old - m_new)
 };
 
+// Online softmax of rows r0 .. rows over a page's scores s[r][0, Bp), of which row r sees the first
+// visible(r): turns the scores into probabilities (0 for the unseen keys), updates m and l, and sets
+// corr to the factor the row's accumulator must be rescaled by.
+template <typename Visible>
+inline void online_softmax(const HeadRows& h, int64_t r0, int64_t rows, float* s, int64_t Bp, Visible visible) {
+  for (int64_t r = r0; r < rows; ++r) {
+    float* sr = s + r * Bp;
+    std::fill(sr + visible(r), sr + Bp, kNegInf);
+    Vec mx(kNegInf);
+    for (int64_t t = 0; t < Bp; t += W) mx = at::vec::maximum(mx, Vec::loadu(sr + t));
+    const float m_new = std::max(h.m[r], reduce_max(mx));
+    h.corr[r] = std::exp(h.m[r] - m_new);  // 0 on the first page (m = -inf)
+    const Vec vm(m_new);
+    Vec sum(0.f);
+    for (int64_t t = 0; t < Bp; t += W) {
+      const Vec e = (Vec::loadu(sr + t) - vm).exp_u20();  // ATen's softmax exp (20 ULP)
+      e.store(sr + t);
+      sum = sum + e;
+    }
+    h.l[r] = h.l[r] * h.corr[r] + reduce_add(sum);
+    h.m[r] = m_new;
+  }
+}
+
 // One page (keys start .. start + n) of one KV head against that head's query rows.
 template <typename T>
 void attend_page(const AttentionParams& p, const WorkItem& it, const HeadRows& h, int64_t rows, const T* kp,
                  const T* vp, int64_t start, int64_t n, float* s, float* kf, float* vf, float* kt) {
   const int64_t G = p.num_heads / p.num_kv_heads, D = p.head_dim;
   const int64_t Dp = round_up(D, W), Bp = round_up(p.block_size, W);
+  if (it.n_q == 1 && decode_fits(D)) {  // a generation token: every row sees all n keys
+    const auto all = [n](int64_t) { return n; };
+    decode_pass(h.q, h.o, h.corr, s, kf, rows, Bp, kp, vp, p.token_stride, n, D, true);
+    online_softmax(h, 0, rows, s, Bp, all);
+    decode_pass(h.q, h.o, h.corr, s, kf, rows, Bp, kp, vp, p.token_stride, n, D, false);
+    return;
+  }
   // Query j sees this page's keys start .. first_pos + j: queries before j0 see none of them.
   const int64_t r0 = std::max<int64_t>(0, start - it.first_pos) * G;
   auto visible = [&](int64_t r) { return std::min(n, it.first_pos + r / G - start + 1); };
@@ -321,24 +474,7 @@ void attend_page(const AttentionParams& p, const WorkItem& it, const HeadRows& h
   } else {
     for (int64_t r = r0; r < rows; ++r) scores(h.q + r * Dp, K, stride, visible(r), s + r * Bp, Dp);
   }
-  // Online softmax per row; probabilities of the keys a row does not see are 0.
-  for (int64_t r = r0; r < rows; ++r) {
-    float* sr = s + r * Bp;
-    std::fill(sr + visible(r), sr + Bp, kNegInf);
-    Vec mx(kNegInf);
-    for (int64_t t = 0; t < Bp; t += W) mx = at::vec::maximum(mx, Vec::loadu(sr + t));
-    const float m_new = std::max(h.m[r], reduce_max(mx));
-    h.corr[r] = std::exp(h.m[r] - m_new);  // 0 on the first page (m = -inf)
-    const Vec vm(m_new);
-    Vec sum(0.f);
-    for (int64_t t = 0; t < Bp; t += W) {
-      const Vec e = (Vec::loadu(sr + t) - vm).exp_u20();  // ATen's softmax exp (20 ULP)
-      e.store(sr + t);
-      sum = sum + e;
-    }
-    h.l[r] = h.l[r] * h.corr[r] + reduce_add(sum);
-    h.m[r] = m_new;
-  }
+  online_softmax(h, r0, rows, s, Bp, visible);
   // o = o * corr + p V, two rows per pass over the V page (row r + 1 sees at least row r's keys).
   int64_t r = r0;
   for (; r + 1 < rows; r += 2) {
@@ -362,7 +498,8 @@ void attend_impl(const AttentionParams& p, const WorkItem& it, float* scratch) {
   float* l = m + all;        // [all]
   float* cr = l + all;       // [all]
   float* s = cr + all;       // [rows][Bp] one page's scores, then probabilities, of one head
-  float* kf = s + rows * Bp; // [bs][Dp] a K page of one head widened to float (when not read directly)
+  float* kf = s + rows * Bp; // [bs][Dp] a K page of one head widened to float (when not read directly);
+                             // a generation token's lane sums [kDecodeRows][Bp][W] (decode_pass)
   float* vf = kf + bs * Dp;  // [bs][Dp] the V page
   float* kt = vf + bs * Dp;  // [D][Bp] the K page transposed (context tiles)
 
@@ -419,7 +556,9 @@ void attend_impl(const AttentionParams& p, const WorkItem& it, float* scratch) {
 int64_t scratch_size(const AttentionParams& p, int64_t n_q, int64_t kv_heads) {
   const int64_t rows = n_q * (p.num_heads / p.num_kv_heads), all = rows * kv_heads;
   const int64_t Dp = round_up(p.head_dim, W), Bp = round_up(p.block_size, W);
-  return all * (2 * Dp + 3) + rows * Bp + 2 * p.block_size * Dp + p.head_dim * Bp;
+  // The page buffers kf, vf, kt; a generation token's lane sums (decode_pass) use the same space.
+  const int64_t pages = std::max(2 * p.block_size * Dp + p.head_dim * Bp, kDecodeRows * Bp * W);
+  return all * (2 * Dp + 3) + rows * Bp + pages;
 }
 
 void attend(const AttentionParams& p, const WorkItem& item, float* scratch) {

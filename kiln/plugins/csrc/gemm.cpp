@@ -63,6 +63,13 @@ OutType out_type_of(at::ScalarType t) {
   }
 }
 
+// Per-thread buffers only grow: resizing down and up again, as calls alternate between layers of
+// different K, would zero the regrown part every time.
+template <typename T>
+void grow(std::vector<T>& buffer, int64_t size) {
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+}
+
 template <typename T>
 void to_float(const T* in, float* out, int64_t count) {
   at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
@@ -124,7 +131,7 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
   if (xc.scalar_type() == at::kFloat) {
     p.x = xc.const_data_ptr<float>();
   } else {
-    x_float.resize(p.M * K);
+    grow(x_float, p.M * K);
     if (xc.scalar_type() == at::kBFloat16) {
       to_float(xc.const_data_ptr<c10::BFloat16>(), x_float.data(), p.M * K);
     } else {
@@ -143,7 +150,7 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
   static const GemmPanelsFn kernel = select_kernel();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
-    scratch.resize(K * kPanel);
+    grow(scratch, K * kPanel);
     kernel(p, begin, end, scratch.data());
   });
   return out;

@@ -27,8 +27,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -306,8 +306,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   const int64_t n_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n_items, threads), 1, [&](int64_t, int64_t) {
-    thread_local std::vector<float> buffer;
-    buffer.resize(scratch);
+    thread_local std::vector<float> buffer;  // grows only: no zeroing per call
+    if (static_cast<int64_t>(buffer.size()) < scratch) buffer.resize(scratch);
     for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) k.attend(p, items[i], buffer.data());
   });
   if (!combines.empty()) {

@@ -8,12 +8,13 @@
 // A work item (paged_attention.h) is some query tokens of one sequence against some KV heads: a
 // context-phase tile (a few dozen tokens, one KV head) or a generation-phase token (all KV heads,
 // or a partition of the keys of a long sequence). Its query rows walk the sequence's pages in
-// order, reading each K/V page in place through the block table (a float cache directly; bf16 /
-// fp16 pages widened one page at a time into a small scratch), with an online softmax per row
+// order, reading each K/V page in place through the block table, with an online softmax per row
 // (flash-attention style: running max m, running sum l, rescaled accumulator o), so no
 // [rows, context] score matrix is ever formed. The whole GQA group of a KV head shares each page.
-// Scores are dot products for a few rows, or broadcast-FMAs against the page's transposed K for
-// a context tile's many rows; p.V runs two rows per pass over the V page.
+// A generation token's rows read the page straight from the pool, widening in registers (see
+// decode_pass); a context tile's widen bf16 / fp16 pages into a small scratch once, then take
+// scores as dot products (few rows) or broadcast-FMAs against the transposed K (many rows), and
+// p.V two rows per pass over the V page.
 //
 // No static data in this file: it would be initialized with this TU's target options at load
 // time, before the capability check (see ATen's Note [Do not compile initializers with AVX]).

@@ -136,6 +136,7 @@ def test_long_decodes_split_over_threads(op, threads, dtype):
     (dict(gen_context_lens=lambda t: t.fill_(10 ** 6)), "but its block table has"),
     (dict(q=lambda t: t[:, :5]), "must be a multiple of kv_heads"),
     (dict(q=lambda t: t.double()), "q must be float32, bfloat16 or float16"),
+    (dict(gen_block_tables=lambda t: t.float()), "gen_block_tables must be int32 or int64, got Float"),
 ])
 def test_bad_steps_raise(op, bad, message):
     inputs, _ = _step("mixed", 16, "gqa3", 16)

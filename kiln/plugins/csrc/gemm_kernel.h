@@ -53,14 +53,19 @@ inline void prefetch_ahead(const void* row, int64_t k) {
 
 // -- decoders: 16 weights of row k of one panel, as two 8-float registers ----------------------
 
-struct F32Panel {
+// Float weights streamed from memory, or (Stream = false) a panel decoded into the cache-resident
+// scratch, which the tile loop of a larger batch reads with nothing to prefetch.
+template <bool Stream>
+struct F32PanelOf {
   const float* w;
   void operator()(int64_t k, __m256& a, __m256& b) const {
-    prefetch_ahead<64>(w + k * kPanel, k);
+    if constexpr (Stream) prefetch_ahead<64>(w + k * kPanel, k);
     a = _mm256_loadu_ps(w + k * kPanel);
     b = _mm256_loadu_ps(w + k * kPanel + 8);
   }
 };
+using F32Panel = F32PanelOf<true>;
+using ScratchPanel = F32PanelOf<false>;
 
 struct BF16Panel {
   const uint16_t* w;
@@ -341,7 +346,7 @@ template <class Panel>
 void run_panel(const GemmParams& p, const Panel& w, int64_t panel, float* scratch) {
   if (p.M <= kDirectRows) return rows_any(p, w, 0, p.M, panel);
   decode(w, p.K, scratch);
-  const F32Panel decoded{scratch};
+  const ScratchPanel decoded{scratch};
   int64_t row = 0;
   for (; row + kDirectRows <= p.M; row += kDirectRows) rows<kDirectRows>(p, decoded, row, panel, p.K);
   if (row < p.M) rows_any(p, decoded, row, p.M - row, panel);

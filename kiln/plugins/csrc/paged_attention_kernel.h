@@ -365,7 +365,7 @@ inline void decode_pv(float* o, const float* corr, const float* p, int64_t Bp, c
   }
 }
 
-// Whether decode_page takes a head_dim: whole pairs of vectors (the CH of decode_pv).
+// Whether the decode path takes a head_dim: whole pairs of vectors (the CH of decode_pv).
 inline bool decode_fits(int64_t D) { return D % (2 * W) == 0; }
 
 template <typename T, int R>

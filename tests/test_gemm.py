@@ -84,8 +84,13 @@ def test_pack_roundtrip_and_embedding():
     packed = gemm.pack(w)
     assert packed.shape == (4, 8, 16) and torch.equal(packed[3, :, 2:], torch.zeros(8, 14))
     assert torch.equal(gemm.unpack(packed, 50), w)
-    ids = torch.tensor([0, 17, 49, 3, 17])
-    assert torch.equal(gemm.embedding(packed, ids), w[ids])
+    ids = torch.tensor([[0, 17, 49], [3, 17, 16]])
+    assert torch.equal(gemm.embedding(packed, ids, 50), w[ids])
+    assert torch.equal(gemm.embedding(packed.bfloat16(), ids[0], 50), w.bfloat16()[ids[0]])
+    with pytest.raises(RuntimeError, match=r"token id 50 is outside the vocabulary \[0, 50\)"):
+        gemm.embedding(packed, torch.tensor([50]), 50)
+    with pytest.raises(RuntimeError, match="ids must be int64"):
+        gemm.embedding(packed, ids.int(), 50)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -169,8 +174,13 @@ def test_bf16_aoti_engine_uses_plugin_by_default(engine):
         assert any(b"kiln_cpp.gemm" in z.read(n) or b"kiln_cpp::gemm" in z.read(n) for n in z.namelist()
                    if n.endswith(".cpp") or n.endswith(".json"))
     got, _ = _logits_and_tokens(aoti)
-    want, _ = _logits_and_tokens(engine("llama", "eager", dtype="bfloat16"))
+    want, want_lp = _logits_and_tokens(engine("llama", "eager", dtype="bfloat16"))
     # bf16 rounds differently in the two GEMMs (float32 accumulation, one rounding against ATen's
-    # blocked bf16): a random tiny model's near-ties may flip late, so compare the first tokens.
-    assert all(g[:4] == w[:4] for g, w in zip(got, want))
+    # blocked bf16), and the compiled graph keeps fused sums in float32: a random tiny model's
+    # near-ties may flip, after which the two continuations legitimately differ.
+    for g, w, lps in zip(got, want, want_lp):
+        for i, (gt, wt) in enumerate(zip(g, w)):
+            if gt != wt:
+                assert gt in lps[i] and lps[i][wt] - lps[i][gt] < 0.02, f"token {i}: {gt} for {wt}, not a near tie: {lps[i]}"
+                break
     assert sum(g == w for g, w in zip(got, want)) >= len(want) - 1

@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope.cos_sin(self.config, self.inv_freq, positions, rope_lens)
 
         if self.vocab_embedding is None:
-            hidden = gemm.embedding(self.lm_head, input_ids)
+            hidden = gemm.embedding(self.lm_head, input_ids, self.vocab_rows)
         else:
             hidden = F.embedding(input_ids, self.vocab_embedding)
         residual = None

@@ -38,9 +38,13 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n]
 
 
-def embedding(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a packed [n, K] table: a tied embedding shares the lm_head's packed copy."""
-    return packed[ids // PANEL, :, ids % PANEL]
+def embedding(packed: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows `ids` (int64, each in [0, n)) of a packed [n, K] table: a tied embedding shares the
+    lm_head's packed copy. The C++ op (not indexing) so that a compiled graph gathers them once."""
+    from kiln.plugins import cpp
+
+    cpp.load()
+    return torch.ops.kiln_cpp.embedding(packed, ids, n)
 
 
 def gemm(x, weight, scale, bias, n: int, group_size: int = 0, out_float: bool = False):

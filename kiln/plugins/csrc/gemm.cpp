@@ -1,6 +1,7 @@
 // kiln_cpp::gemm: the C++ CPU GEMM plugin for linear layers with packed (and quantized) weights.
 //
 //   gemm(x [..., K], weight, scale?, bias?, n, group_size, out_float) -> [..., n]
+//   embedding(packed [panels, K, 16], ids [...], n) -> [..., K]: rows of a packed table
 //
 // weight holds the [n, K] matrix in panels of 16 output columns (kiln/plugins/gemm.py packs it at
 // build time; rows past n are zero):
@@ -156,6 +157,49 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
   return out;
 }
 
+// Rows `ids` of a packed [n, K] table (a tied embedding reads the lm_head's packed copy): element k
+// of row i is packed[i / 16, k, i % 16]. An op of its own so that the compiler materializes the
+// embedding once; as indexing it fused the strided gather into every consumer of the residual.
+template <typename T>
+void gather_rows(const T* table, const int64_t* ids, T* out, int64_t count, int64_t K) {
+  at::parallel_for(0, count, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* column = table + (ids[i] / kPanel) * K * kPanel + ids[i] % kPanel;
+      for (int64_t k = 0; k < K; ++k) out[i * K + k] = column[k * kPanel];
+    }
+  });
+}
+
+at::Tensor embedding_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_t n) {
+  constexpr const char* op = "kiln_cpp::embedding: ";
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), op,
+              "table must be contiguous [panels, K, 16] (kiln.plugins.gemm packs it), got shape ", packed.sizes());
+  TORCH_CHECK(n > 0 && n <= packed.size(0) * kPanel, op, "n = ", n, " rows do not fit ", packed.size(0), " panels");
+  TORCH_CHECK(ids.scalar_type() == at::kLong, op, "ids must be int64, got ", ids.scalar_type());
+  const at::Tensor idc = ids.contiguous();
+  const int64_t count = idc.numel(), K = packed.size(1);
+  const int64_t* id = idc.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, op, "token id ", id[i], " is outside the vocabulary [0, ", n, ")");
+  }
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(K);
+  at::Tensor out = at::empty(shape, packed.options());
+  switch (packed.element_size()) {
+    case 1: gather_rows(static_cast<const uint8_t*>(packed.const_data_ptr()), id, static_cast<uint8_t*>(out.mutable_data_ptr()), count, K); break;
+    case 2: gather_rows(static_cast<const uint16_t*>(packed.const_data_ptr()), id, static_cast<uint16_t*>(out.mutable_data_ptr()), count, K); break;
+    case 4: gather_rows(static_cast<const uint32_t*>(packed.const_data_ptr()), id, static_cast<uint32_t*>(out.mutable_data_ptr()), count, K); break;
+    default: TORCH_CHECK(false, op, "table must have 1-, 2- or 4-byte elements, got ", packed.scalar_type());
+  }
+  return out;
+}
+
+at::Tensor embedding_meta(const at::Tensor& packed, const at::Tensor& ids, int64_t n) {
+  std::vector<c10::SymInt> shape(ids.sym_sizes().begin(), ids.sym_sizes().end());
+  shape.push_back(packed.sym_size(1));
+  return at::empty_symint(shape, packed.options());
+}
+
 // Symbolic sizes: torch.export traces with a dynamic number of tokens.
 at::Tensor gemm_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                      const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float) {
@@ -172,8 +216,15 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
   m.def("gemm(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int n, int group_size=0, "
         "bool out_float=False) -> Tensor",
         {at::Tag::pt2_compliant_tag});
+  m.def("embedding(Tensor packed, Tensor ids, int n) -> Tensor", {at::Tag::pt2_compliant_tag});
 }
 
-TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) { m.impl("gemm", &kiln::gemm_cpu); }
+TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) {
+  m.impl("gemm", &kiln::gemm_cpu);
+  m.impl("embedding", &kiln::embedding_cpu);
+}
 
-TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) { m.impl("gemm", &kiln::gemm_meta); }
+TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) {
+  m.impl("gemm", &kiln::gemm_meta);
+  m.impl("embedding", &kiln::embedding_meta);
+}

@@ -91,6 +91,8 @@ def test_pack_roundtrip_and_embedding():
         gemm.embedding(packed, torch.tensor([50]), 50)
     with pytest.raises(RuntimeError, match="ids must be int64"):
         gemm.embedding(packed, ids.int(), 50)
+    with pytest.raises(RuntimeError, match=r"table must be contiguous \[panels, K, 16\]"):
+        gemm.embedding(w, ids, 50)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -78,6 +78,11 @@ void to_float(const T* in, float* out, int64_t count) {
   });
 }
 
+void check_packed(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(t.dim() == 3 && t.size(2) == kPanel && t.is_contiguous(), op, what,
+              " must be contiguous [panels, K, 16] (kiln.plugins.gemm packs it), got shape ", t.sizes());
+}
+
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   TORCH_CHECK(!shape.empty(), kOp, "x must have at least one dimension");
@@ -91,8 +96,7 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
   const at::ScalarType out_dtype = out_float ? at::kFloat : x.scalar_type();
   out_type_of(x.scalar_type());
   const int64_t K = x.size(-1);
-  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kPanel && weight.is_contiguous(), kOp,
-              "weight must be contiguous [panels, K, 16] (kiln.plugins.gemm packs it), got shape ", weight.sizes());
+  check_packed(weight, kOp, "weight");
   const int64_t panels = weight.size(0), padded = panels * kPanel;
   TORCH_CHECK(n > padded - kPanel && n <= padded, kOp, "n = ", n, " does not match ", panels, " weight panels");
   const int64_t k_rows = format == WeightFormat::Int4 ? K / 2 : K;
@@ -172,8 +176,7 @@ void gather_rows(const T* table, const int64_t* ids, T* out, int64_t count, int6
 
 at::Tensor embedding_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_t n) {
   constexpr const char* op = "kiln_cpp::embedding: ";
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), op,
-              "table must be contiguous [panels, K, 16] (kiln.plugins.gemm packs it), got shape ", packed.sizes());
+  check_packed(packed, op, "table");
   TORCH_CHECK(n > 0 && n <= packed.size(0) * kPanel, op, "n = ", n, " rows do not fit ", packed.size(0), " panels");
   TORCH_CHECK(ids.scalar_type() == at::kLong, op, "ids must be int64, got ", ids.scalar_type());
   const at::Tensor idc = ids.contiguous();

@@ -164,8 +164,11 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
 // Rows `ids` of a packed [n, K] table (a tied embedding reads the lm_head's packed copy): element k
 // of row i is packed[i / 16, k, i % 16]. An op of its own so that the compiler materializes the
 // embedding once; as indexing it fused the strided gather into every consumer of the residual.
+// T only fixes the element width: rows are copied bit for bit.
 template <typename T>
-void gather_rows(const T* table, const int64_t* ids, T* out, int64_t count, int64_t K) {
+void gather_rows(const void* packed, const int64_t* ids, void* rows, int64_t count, int64_t K) {
+  const T* table = static_cast<const T*>(packed);
+  T* out = static_cast<T*>(rows);
   at::parallel_for(0, count, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* column = table + (ids[i] / kPanel) * K * kPanel + ids[i] % kPanel;
@@ -188,10 +191,12 @@ at::Tensor embedding_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(K);
   at::Tensor out = at::empty(shape, packed.options());
+  const void* table = packed.const_data_ptr();
+  void* rows = out.mutable_data_ptr();
   switch (packed.element_size()) {
-    case 1: gather_rows(static_cast<const uint8_t*>(packed.const_data_ptr()), id, static_cast<uint8_t*>(out.mutable_data_ptr()), count, K); break;
-    case 2: gather_rows(static_cast<const uint16_t*>(packed.const_data_ptr()), id, static_cast<uint16_t*>(out.mutable_data_ptr()), count, K); break;
-    case 4: gather_rows(static_cast<const uint32_t*>(packed.const_data_ptr()), id, static_cast<uint32_t*>(out.mutable_data_ptr()), count, K); break;
+    case 1: gather_rows<uint8_t>(table, id, rows, count, K); break;
+    case 2: gather_rows<uint16_t>(table, id, rows, count, K); break;
+    case 4: gather_rows<uint32_t>(table, id, rows, count, K); break;
     default: TORCH_CHECK(false, op, "table must have 1-, 2- or 4-byte elements, got ", packed.scalar_type());
   }
   return out;

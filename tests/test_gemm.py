@@ -42,7 +42,8 @@ def _weights(fmt, n, k, group_size=32, seed=0):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n,k", [(48, 64), (40, 96)])  # 40: a partial last panel
+# 40: a partial last panel; 200: 13 panels, so one or two rows read several at once, and one group is short
+@pytest.mark.parametrize("n,k", [(48, 64), (40, 96), (200, 64)])
 def test_gemm_matches_reference(fmt, n, k):
     packed, scale, group_size, dense = _weights(fmt, n, k)
     bias = torch.randn(n)
@@ -69,12 +70,15 @@ def test_gemm_shapes_and_threads():
     torch.testing.assert_close(got.float(), x.float() @ dense.T, rtol=2e-3, atol=1e-3)
     assert gemm.gemm(torch.randn(0, 64), packed, None, None, 40).shape == (0, 40)
     before = torch.get_num_threads()
-    try:  # one thread and two give the same numbers: each output is one thread's, summed in one order
-        x = torch.randn(7, 64)
-        torch.set_num_threads(1)
-        one = gemm.gemm(x, packed, None, None, 40)
-        torch.set_num_threads(2)
-        assert torch.equal(gemm.gemm(x, packed, None, None, 40), one)
+    packed, _, _, _ = _weights("bfloat16", 200, 64)
+    try:  # one thread and two give the same numbers: each output is one thread's, summed in one order,
+        # however the panels were grouped (1-2 rows read several panels at once)
+        for m in (1, 2, 7):
+            x = torch.randn(m, 64)
+            torch.set_num_threads(1)
+            one = gemm.gemm(x, packed, None, None, 200)
+            torch.set_num_threads(2)
+            assert torch.equal(gemm.gemm(x, packed, None, None, 200), one), m
     finally:
         torch.set_num_threads(before)
 

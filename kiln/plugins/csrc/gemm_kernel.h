@@ -356,11 +356,11 @@ void rows_of_panels(const GemmParams& p, const Panel* w, int64_t count, int64_t 
 }
 
 // The direct path (M = MR rows): panels [begin, end), NP at a time. A core keeps more lines in
-// flight for several streams than for one (its prefetchers follow each), and a batch-1 GEMM is all
-// weight streaming: a plain read of 4 streams per thread moved ~25-37 GB/s here where one stream
-// moved ~20-29 (2 threads), and one row reading 4 panels at once made a batch-1 step of the
-// SmolLM-135M shape 11-15% faster than reading them one at a time. Two rows reading 2 panels each
-// (one partial sum per output) were 6% slower than one at a time, so more rows keep to one.
+// flight for several streams than for one (its prefetchers follow each), and a small batch's GEMM
+// is all weight streaming: a plain read of 4 streams per thread moved ~25-37 GB/s here where one
+// stream moved ~20-29 (2 threads). Against reading one panel at a time, in-process A/B of decode
+// steps of the SmolLM-135M shape: one row reading 4 panels, 0.85-0.89x the step time; two rows
+// reading 2, 0.95x. Three or four rows reading 2 were 13% and 41% slower (too few registers).
 template <int MR, int NP, class PanelAt>
 void direct(const GemmParams& p, const PanelAt& panel_at, int64_t begin, int64_t end) {
   for (int64_t panel = begin; panel < end; panel += NP) {
@@ -378,7 +378,7 @@ void run_panels(const GemmParams& p, const PanelAt& panel_at, int64_t begin, int
   static_assert(kDirectRows == 6, "one case per direct row count");
   switch (p.M) {
     case 1: return direct<1, wide ? 4 : 1>(p, panel_at, begin, end);
-    case 2: return direct<2, 1>(p, panel_at, begin, end);
+    case 2: return direct<2, wide ? 2 : 1>(p, panel_at, begin, end);
     case 3: return direct<3, 1>(p, panel_at, begin, end);
     case 4: return direct<4, 1>(p, panel_at, begin, end);
     case 5: return direct<5, 1>(p, panel_at, begin, end);

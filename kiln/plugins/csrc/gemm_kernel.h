@@ -7,6 +7,7 @@
 //  - M <= kDirectRows (decode, small batches): weights are decoded in the inner loop and read once,
 //    with 1-6 rows of x broadcast against them: a GEMV at memory bandwidth, in whatever width the
 //    weights are stored (bf16, fp16, int8, fp8, int4), which is what weight-only quantization buys.
+//    One or two rows read several panels at once, as several streams (see direct).
 //  - M > kDirectRows (prefill, large batches): each panel is decoded once into a float scratch
 //    (16 x K, L1/L2 resident) and a 6 x 16 register tile of FMAs runs every row block over it: the
 //    decode cost is paid once per panel instead of once per row, and the loop is FMA-bound.

@@ -379,14 +379,11 @@ void run_panels(const GemmParams& p, const PanelAt& panel_at, int64_t begin, int
   // (fp8 read 4 at a time was ~5% slower).
   using Panel = decltype(panel_at(0));
   constexpr bool wide = !std::is_same_v<Panel, Fp8Panel> && !std::is_same_v<Panel, Int4Panel>;
-  static_assert(kDirectRows == 6, "one case per direct row count");
-  switch (p.M) {
-    case 1: return direct<1, wide ? 4 : 1>(p, panel_at, begin, end);
-    case 2: return direct<2, wide ? 2 : 1>(p, panel_at, begin, end);
-    case 3: return direct<3, 1>(p, panel_at, begin, end);
-    case 4: return direct<4, 1>(p, panel_at, begin, end);
-    case 5: return direct<5, 1>(p, panel_at, begin, end);
-    case 6: return direct<6, 1>(p, panel_at, begin, end);
+  if (p.M == 1) return direct<1, wide ? 4 : 1>(p, panel_at, begin, end);
+  if (p.M == 2) return direct<2, wide ? 2 : 1>(p, panel_at, begin, end);
+  if (p.M <= kDirectRows) {
+    for (int64_t panel = begin; panel < end; ++panel) rows_any(p, panel_at(panel), 0, p.M, panel);
+    return;
   }
   for (int64_t panel = begin; panel < end; ++panel) {
     decode(panel_at(panel), p.K, scratch);

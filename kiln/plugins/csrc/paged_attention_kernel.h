@@ -267,20 +267,6 @@ inline void scores_kt(const float* qf, int64_t Dp, int64_t r0, int64_t r1, const
   }
 }
 
-// Asks for a page's rows of one KV head ahead of use: pages lie anywhere in the pool, so the
-// hardware prefetchers cannot run ahead across them while the current page is being computed on.
-template <typename T>
-inline void prefetch_rows(const T* base, int64_t stride, int64_t n, int64_t D) {
-#if defined(__GNUC__) || defined(__clang__)
-  constexpr int64_t kLine = 64;
-  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int64_t t = 0; t < n; ++t) {
-    const char* row = reinterpret_cast<const char*>(base + t * stride);
-    for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(row + off, 0, 2);
-  }
-#endif
-}
-
 // W values of a K/V row as float: read in place, widened in registers.
 template <typename T>
 inline Vec load_vec(const T* src) {
@@ -293,6 +279,19 @@ inline Vec load_vec(const T* src) {
   }
 }
 
+// Asks for the lines of [p, p + bytes) shifted by `ahead` elements: the same bytes of the next page
+// of the block table, requested as this page's twin is read, so the requests spread over the page's
+// compute (one burst of a page's lines fills the miss queue and stalls) and the next page is in
+// cache when reached. Pages lie anywhere in the pool, so the hardware prefetchers stop at a page's
+// end. ahead = 0 (no next page) asks for lines being read anyway.
+template <typename T>
+inline void prefetch_twin(const T* p, int64_t ahead, int64_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* twin = reinterpret_cast<const char*>(p + ahead);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(twin + off, 0, 3);
+#endif
+}
+
 // Generation-phase pages (one query token: a GQA group of G rows per KV head) are attended straight
 // from the pool, R <= 4 rows at a time: each K/V element is widened once, in registers, and feeds
 // every row; a key's score is left as W lane sums (part[r][t][0, W)), and W keys' lanes are summed
@@ -303,10 +302,11 @@ constexpr int64_t kDecodeRows = 4;
 // accumulators per row halve the FMA chain.
 template <typename T, int R, int ND>
 inline void decode_lanes(const float* q, int64_t D, const T* kp, int64_t stride, int64_t n, float* part,
-                         int64_t Bp) {
+                         int64_t Bp, int64_t ahead) {
   const int64_t nd = ND > 0 ? ND : D / W;
   for (int64_t t = 0; t < n; ++t) {
     const T* kr = kp + t * stride;
+    prefetch_twin(kr, ahead, D * static_cast<int64_t>(sizeof(T)));
     Vec acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
     for (int64_t j = 0; j < nd; ++j) {
@@ -319,12 +319,12 @@ inline void decode_lanes(const float* q, int64_t D, const T* kp, int64_t stride,
 
 template <typename T, int R>
 inline void decode_lanes(const float* q, int64_t D, const T* kp, int64_t stride, int64_t n, float* part,
-                         int64_t Bp) {
+                         int64_t Bp, int64_t ahead) {
   switch (D / W) {
-    case 4: return decode_lanes<T, R, 4>(q, D, kp, stride, n, part, Bp);
-    case 8: return decode_lanes<T, R, 8>(q, D, kp, stride, n, part, Bp);
-    case 16: return decode_lanes<T, R, 16>(q, D, kp, stride, n, part, Bp);
-    default: return decode_lanes<T, R, 0>(q, D, kp, stride, n, part, Bp);
+    case 4: return decode_lanes<T, R, 4>(q, D, kp, stride, n, part, Bp, ahead);
+    case 8: return decode_lanes<T, R, 8>(q, D, kp, stride, n, part, Bp, ahead);
+    case 16: return decode_lanes<T, R, 16>(q, D, kp, stride, n, part, Bp, ahead);
+    default: return decode_lanes<T, R, 0>(q, D, kp, stride, n, part, Bp, ahead);
   }
 }
 
@@ -343,7 +343,7 @@ inline void sum_lanes(const float* part, int64_t n, float* s) {
 // in registers (R * CH accumulators).
 template <typename T, int R, int CH>
 inline void decode_pv(float* o, const float* corr, const float* p, int64_t Bp, const T* vp, int64_t stride,
-                      int64_t n, int64_t D) {
+                      int64_t n, int64_t D, int64_t ahead) {
   for (int64_t c = 0; c < D; c += CH * W) {
     Vec acc[R][CH];
     for (int r = 0; r < R; ++r) {
@@ -352,6 +352,7 @@ inline void decode_pv(float* o, const float* corr, const float* p, int64_t Bp, c
     }
     for (int64_t t = 0; t < n; ++t) {
       const T* vr = vp + t * stride + c;
+      prefetch_twin(vr, ahead, CH * W * static_cast<int64_t>(sizeof(T)));
       Vec v[CH];
       for (int k = 0; k < CH; ++k) v[k] = load_vec(vr + k * W);
       for (int r = 0; r < R; ++r) {
@@ -370,35 +371,38 @@ inline bool decode_fits(int64_t D) { return D % (2 * W) == 0; }
 
 template <typename T, int R>
 inline void decode_rows_pv(float* o, const float* corr, const float* p, int64_t Bp, const T* vp, int64_t stride,
-                           int64_t n, int64_t D) {
+                           int64_t n, int64_t D, int64_t ahead) {
   // One row alone has too few accumulators at two vectors wide to hide the FMA latency.
-  if (R == 1 && D % (4 * W) == 0) return decode_pv<T, 1, 4>(o, corr, p, Bp, vp, stride, n, D);
-  decode_pv<T, R, 2>(o, corr, p, Bp, vp, stride, n, D);
+  if (R == 1 && D % (4 * W) == 0) return decode_pv<T, 1, 4>(o, corr, p, Bp, vp, stride, n, D, ahead);
+  decode_pv<T, R, 2>(o, corr, p, Bp, vp, stride, n, D, ahead);
 }
 
 template <typename T, int R>
 inline void decode_rows(const float* q, float* o, const float* corr, float* s, float* part, int64_t Bp,
-                        const T* kp, const T* vp, int64_t stride, int64_t n, int64_t D, bool scores) {
+                        const T* kp, const T* vp, int64_t stride, int64_t n, int64_t D, int64_t ahead,
+                        bool scores) {
   if (scores) {
-    decode_lanes<T, R>(q, D, kp, stride, n, part, Bp);
+    decode_lanes<T, R>(q, D, kp, stride, n, part, Bp, ahead);
     for (int r = 0; r < R; ++r) sum_lanes(part + r * Bp * W, n, s + r * Bp);
   } else {
-    decode_rows_pv<T, R>(o, corr, s, Bp, vp, stride, n, D);
+    decode_rows_pv<T, R>(o, corr, s, Bp, vp, stride, n, D, ahead);
   }
 }
 
-// A page's scores (scores = true) or its p.V (false) for `rows` rows, in groups of kDecodeRows.
+// A page's scores (scores = true) or its p.V (false) for `rows` rows, in groups of kDecodeRows. The
+// first group asks for the next page's lines, `ahead` elements on (see prefetch_twin).
 template <typename T>
 void decode_pass(const float* q, float* o, const float* corr, float* s, float* part, int64_t rows, int64_t Bp,
-                 const T* kp, const T* vp, int64_t stride, int64_t n, int64_t D, bool scores) {
+                 const T* kp, const T* vp, int64_t stride, int64_t n, int64_t D, int64_t ahead, bool scores) {
   for (int64_t r = 0; r < rows; r += kDecodeRows) {
     const float* qr = q + r * D;
     float* orow = o + r * D;
+    const int64_t a = r == 0 ? ahead : 0;
     switch (std::min(kDecodeRows, rows - r)) {
-      case 1: decode_rows<T, 1>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, scores); break;
-      case 2: decode_rows<T, 2>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, scores); break;
-      case 3: decode_rows<T, 3>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, scores); break;
-      default: decode_rows<T, 4>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, scores); break;
+      case 1: decode_rows<T, 1>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, a, scores); break;
+      case 2: decode_rows<T, 2>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, a, scores); break;
+      case 3: decode_rows<T, 3>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, a, scores); break;
+      default: decode_rows<T, 4>(qr, orow, corr + r, s + r * Bp, part, Bp, kp, vp, stride, n, D, a, scores); break;
     }
   }
 }
@@ -436,18 +440,24 @@ inline void online_softmax(const HeadRows& h, int64_t r0, int64_t rows, float* s
   }
 }
 
-// One page (keys start .. start + n) of one KV head against that head's query rows.
+// One page (keys start .. start + n) of one KV head against that head's query rows; the item's next
+// page is `ahead` elements on.
 template <typename T>
 void attend_page(const AttentionParams& p, const WorkItem& it, const HeadRows& h, int64_t rows, const T* kp,
-                 const T* vp, int64_t start, int64_t n, float* s, float* kf, float* vf, float* kt) {
+                 const T* vp, int64_t ahead, int64_t start, int64_t n, float* s, float* kf, float* vf, float* kt) {
   const int64_t G = p.num_heads / p.num_kv_heads, D = p.head_dim;
   const int64_t Dp = round_up(D, W), Bp = round_up(p.block_size, W);
   if (it.n_q == 1 && decode_fits(D)) {  // a generation token: every row sees all n keys
     const auto all = [n](int64_t) { return n; };
-    decode_pass(h.q, h.o, h.corr, s, kf, rows, Bp, kp, vp, p.token_stride, n, D, true);
+    decode_pass(h.q, h.o, h.corr, s, kf, rows, Bp, kp, vp, p.token_stride, n, D, ahead, true);
     online_softmax(h, 0, rows, s, Bp, all);
-    decode_pass(h.q, h.o, h.corr, s, kf, rows, Bp, kp, vp, p.token_stride, n, D, false);
+    decode_pass(h.q, h.o, h.corr, s, kf, rows, Bp, kp, vp, p.token_stride, n, D, ahead, false);
     return;
+  }
+  // A context tile computes on a page long enough for one burst of requests for the next page.
+  for (int64_t t = 0; t < n; ++t) {
+    prefetch_twin(kp + t * p.token_stride, ahead, D * static_cast<int64_t>(sizeof(T)));
+    prefetch_twin(vp + t * p.token_stride, ahead, D * static_cast<int64_t>(sizeof(T)));
   }
   // Query j sees this page's keys start .. first_pos + j: queries before j0 see none of them.
   const int64_t r0 = std::max<int64_t>(0, start - it.first_pos) * G;
@@ -522,16 +532,11 @@ void attend_impl(const AttentionParams& p, const WorkItem& it, float* scratch) {
   const T* v_base = static_cast<const T*>(p.v);
   for (int64_t b = it.key_begin / bs; b * bs < it.key_end; ++b) {
     const int64_t start = b * bs, n = std::min(bs, it.key_end - start);
+    const int64_t ahead = start + bs < it.key_end ? (it.block_table[b + 1] - it.block_table[b]) * p.block_stride : 0;
     for (int64_t kh = 0; kh < heads; ++kh) {
-      if (start + bs < it.key_end) {  // this head's rows of the next page, while this one computes
-        const int64_t next = it.block_table[b + 1] * p.block_stride + (it.kv_head_begin + kh) * p.head_stride;
-        const int64_t n_next = std::min(bs, it.key_end - start - bs);
-        prefetch_rows(k_base + next, p.token_stride, n_next, D);
-        prefetch_rows(v_base + next, p.token_stride, n_next, D);
-      }
       const int64_t offset = it.block_table[b] * p.block_stride + (it.kv_head_begin + kh) * p.head_stride;
       const HeadRows h{qf + kh * rows * Dp, o + kh * rows * Dp, m + kh * rows, l + kh * rows, cr + kh * rows};
-      attend_page(p, it, h, rows, k_base + offset, v_base + offset, start, n, s, kf, vf, kt);
+      attend_page(p, it, h, rows, k_base + offset, v_base + offset, ahead, start, n, s, kf, vf, kt);
     }
   }
 

@@ -209,7 +209,7 @@ class BuildConfig:
     # (fastest under AOTInductor on CPU); "auto": keep it a kiln:: plugin node in the graph. For
     # gpt_attention_plugin, "cpp": the C++ paged-attention op (torch.ops.kiln_cpp, kiln/plugins/cpp.py),
     # which reads the KV pages in place and runs in AOTInductor packages without Python; None there
-    # lets the builder choose (cpp for aoti unless the KV cache is 8-bit, else inline). gemm_plugin
+    # lets the builder choose (cpp for aoti, else inline). gemm_plugin
     # "cpp": every linear on the C++ GEMM op (kiln/plugins/gemm.py: packed, possibly quantized weights);
     # None lets the builder choose (cpp for aoti with bf16/fp16 or quantized weights, else inline).
     plugin_config: dict = field(default_factory=lambda: {

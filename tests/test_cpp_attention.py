@@ -19,7 +19,7 @@ import torch
 from torch.export import Dim
 
 from kiln import LLM, SamplingParams
-from kiln.plugins import cpp, reference
+from kiln.plugins import cpp, quant, reference
 from test_plugins import BF16_TOL, F32_TOL, HEADS, STEPS, _args, _dense_attention, _make_step
 from tiny_models import PROMPTS
 
@@ -88,6 +88,52 @@ def test_float16_and_mixed_dtypes(op):
     _check(op(q, cache_bf16, *args[2:]), expected, torch.float32, "float32 q, bfloat16 cache")
 
 
+def _8bit_pool(cache, kv_dtype):
+    """cache as an 8-bit pool holds it (kiln/plugins/reference.py, kv_cache_write): the elements and
+    the static scale that maps the largest value to the format's largest."""
+    kv_scale = cache.abs().max() / (127 if kv_dtype == torch.int8 else quant.FP8_MAX)
+    return quant.quantize_to(cache, kv_scale, kv_dtype), kv_scale
+
+
+# An INT8 / FP8 KV cache: the op reads the 8-bit elements in place and applies the layer's scale,
+# against the reference on the same elements (dequantized in float32). Both phases, the decode path
+# (head_dim 64) and the general one (16), GQA and MHA, flash-decoding partitions (gen_only's
+# 1000-token decodes over 4 threads).
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("heads", ["mha", "gqa3", "gqa8"])
+@pytest.mark.parametrize("step", STEPS, ids=list(STEPS))
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_8bit_kv_cache_matches_reference(op, kv_dtype, step, heads, head_dim):
+    inputs, _ = _step(step, 16, heads, head_dim)
+    q, cache, *rest = _args(inputs)
+    pool, kv_scale = _8bit_pool(cache, kv_dtype)
+    expected = reference.paged_attention(q, pool, *rest, kv_scale=kv_scale)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        _check(op(q, pool, *rest, kv_scale), expected, torch.float32, f"{kv_dtype} pool")
+    finally:
+        torch.set_num_threads(before)
+    expected16 = reference.paged_attention(q.bfloat16().float(), pool, *rest, kv_scale=kv_scale)
+    _check(op(q.bfloat16(), pool, *rest, kv_scale), expected16, torch.bfloat16, f"bfloat16 q, {kv_dtype} pool")
+
+
+def test_every_fp8_value_widens_exactly(op):
+    """Each of the 254 finite fp8 e4m3 values (subnormals included) as the only key and value of a
+    decode: the output is that value times the scale."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    values = values[values.float().isfinite()]
+    n = len(values)
+    # n one-token sequences, one KV head of head_dim 16 holding the value in every lane.
+    pool = values.view(n, 1, 1, 1).expand(n, 1, 1, 16).reshape(1, 1, n, 1, 1, 16)
+    pool = torch.cat([pool, pool], dim=1)
+    q = torch.ones(n, 1, 16)
+    out = op(q, pool, 0, torch.empty(0, 1, dtype=torch.int64), torch.empty(0, 1, dtype=torch.int32),
+             torch.empty(0, dtype=torch.int32), torch.arange(n), torch.arange(n, dtype=torch.int32).view(n, 1),
+             torch.ones(n, dtype=torch.int32), 0.25, torch.tensor(0.5))
+    assert torch.equal(out, (values.float() * 0.5).view(n, 1, 1).expand(n, 1, 16))
+
+
 def test_strided_q_untouched_tokens_and_int64_metadata(op):
     """q as the model produces it (a view into the fused QKV projection), tokens that belong to no
     request (left zero), and int64 tables/lengths (converted, not rejected)."""
@@ -137,6 +183,11 @@ def test_long_decodes_split_over_threads(op, threads, dtype):
     (dict(q=lambda t: t[:, :5]), "must be a multiple of kv_heads"),
     (dict(q=lambda t: t.double()), "q must be float32, bfloat16 or float16"),
     (dict(gen_block_tables=lambda t: t.float()), "gen_block_tables must be int32 or int64, got Float"),
+    (dict(kv_cache=lambda t: t.to(torch.int8)), "an int8 or float8_e4m3fn kv_cache needs kv_scale"),
+    (dict(kv_cache=lambda t: t.to(torch.int16)), "kv_cache must be float32, bfloat16, float16, int8 or "
+                                                  "float8_e4m3fn, got Short"),
+    (dict(kv_scale=torch.tensor([0.1, 0.2])), "kv_scale must be one floating-point value"),
+    (dict(kv_scale=torch.tensor(0.0)), "kv_scale must be positive and finite, got 0"),
 ])
 def test_bad_steps_raise(op, bad, message):
     inputs, _ = _step("mixed", 16, "gqa3", 16)
@@ -144,13 +195,16 @@ def test_bad_steps_raise(op, bad, message):
     for k, change in bad.items():
         inputs[k] = change(inputs[k]) if callable(change) else change
     with pytest.raises(RuntimeError, match=message):
-        op(*_args(inputs))
+        op(*_args(inputs), *([inputs["kv_scale"]] if "kv_scale" in inputs else []))
 
 
 def test_opcheck(op):
     inputs, _ = _make_step([("ctx", 9, 3), ("gen", 6, 1), ("ctx", 2, 2)], layers=2, kv_heads=2, heads=4,
                            head_dim=8, block_size=4, seed=7)
     torch.library.opcheck(op, _args(inputs))
+    q, cache, *rest = _args(inputs)
+    pool, kv_scale = _8bit_pool(cache, torch.int8)
+    torch.library.opcheck(op, (q, pool, *rest, kv_scale))
     assert torch.Tag.pt2_compliant_tag in op.default.tags
 
 
@@ -158,18 +212,26 @@ def test_default_kernel(tmp_path):
     """The portable build of the kernel (what CPUs without AVX2 run), forced as ATen's own is."""
     script = textwrap.dedent("""
         import torch
-        from kiln.plugins import cpp, reference
+        from kiln.plugins import cpp, quant, reference
         from test_plugins import _make_step, _args, STEPS
         op = cpp.paged_attention_op()
         assert cpp.kernel_capability() == "DEFAULT", cpp.kernel_capability()
         for kv_heads, heads, head_dim, bs in [(2, 6, 16, 16), (1, 8, 12, 32), (2, 2, 64, 16)]:
-            for dtype in (torch.float32, torch.bfloat16):
+            for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn):
                 inputs, _ = _make_step(STEPS["mixed"], layers=2, kv_heads=kv_heads, heads=heads, head_dim=head_dim,
                                        block_size=bs, seed=3)
                 args = list(_args(inputs))
-                args[0], args[1] = args[0].to(dtype), args[1].to(dtype)
-                expected = reference.paged_attention(args[0].float(), args[1].float(), *args[2:])
-                tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
+                tol = dict(atol=1e-5, rtol=1e-5)
+                if dtype.itemsize == 1:  # an 8-bit pool and its scale
+                    kv_scale = args[1].abs().max() / (127 if dtype == torch.int8 else quant.FP8_MAX)
+                    args[1] = quant.quantize_to(args[1], kv_scale, dtype)
+                    expected = reference.paged_attention(*args, kv_scale=kv_scale)
+                    args.append(kv_scale)
+                else:
+                    args[0], args[1] = args[0].to(dtype), args[1].to(dtype)
+                    expected = reference.paged_attention(args[0].float(), args[1].float(), *args[2:])
+                    if dtype == torch.bfloat16:
+                        tol = dict(atol=1e-2, rtol=1.6e-2)
                 torch.testing.assert_close(op(*args).float(), expected, **tol)
         print("ok")
     """)

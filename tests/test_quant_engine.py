@@ -205,22 +205,29 @@ def test_runtime_generates_from_quantized_bf16_engine(modelopt_checkpoint, hf_mo
     assert all(len(t) == 10 for t in first)
 
 
-@pytest.mark.parametrize("algo", ["W4A16_AWQ", "W8A8_SQ_PER_CHANNEL"])
-def test_aoti_quantized_engine_matches_eager(algo, modelopt_checkpoint, hf_model, tmp_path, capsys):
-    bf16, _, oracle = modelopt_checkpoint(algo)
+# With an 8-bit KV cache the aoti engine reads the int8 pages with the C++ attention, the eager one
+# dequantizes them inline (fp8 pages: tests/test_cpp_attention.py).
+@pytest.mark.parametrize("algo,kv", [("W4A16_AWQ", None), ("W8A8_SQ_PER_CHANNEL", None), ("W8A16", "INT8")])
+def test_aoti_quantized_engine_matches_eager(algo, kv, modelopt_checkpoint, hf_model, tmp_path, capsys):
+    bf16, _, oracle = modelopt_checkpoint(algo, kv)
     hf_dir = hf_model("llama")
     eager = _build(bf16, tmp_path / "eager", hf_dir)
     aoti = _build(bf16, tmp_path / "aoti", hf_dir, backend="aoti")
+    build_config = json.loads((aoti / "config.json").read_text())["build_config"]
+    assert build_config["plugin_config"]["gpt_attention_plugin"] == "cpp"
+    if kv:
+        assert build_config["kv_cache_dtype"] == "int8"
     sequences = _prompt_ids(hf_dir)[:3]
     a = engine_logits(Engine(aoti, max_tokens_in_paged_kv_cache=1024), sequences)
     e = engine_logits(Engine(eager, max_tokens_in_paged_kv_cache=1024), sequences)
     diff = max((x - y).abs().max().item() for x, y in zip(a, e))
     vs_oracle = _max_logit_diff(aoti, oracle, sequences)
     with capsys.disabled():
-        print(f"\n[{algo}/aoti bf16] max |aoti - eager| = {diff:.2e}, vs ModelOpt fake-quant = {vs_oracle:.2e}")
+        print(f"\n[{algo}/kv {kv}/aoti bf16] max |aoti - eager| = {diff:.2e}, vs ModelOpt fake-quant = {vs_oracle:.2e}")
     # bf16 activations carry about 3 significant digits; compiled and eager code round differently
     # (fused elementwise ops), and with 8-bit activations a difference can flip a rounding step.
-    # Measured: W4A16 0.04, SmoothQuant 0.15-0.17 aoti vs eager, against quantization errors near 1.
+    # Measured: W4A16 0.04, SmoothQuant 0.15-0.17, W8A16 with an INT8 KV cache 0.05 aoti vs eager,
+    # against quantization errors near 1.
     assert diff < 0.25 and vs_oracle < 0.25
 
 
@@ -290,8 +297,3 @@ def test_bad_quantized_checkpoints_get_one_line_errors(modelopt_checkpoint, tmp_
         _build(bad, tmp_path / "e3", None)
     assert not (tmp_path / "e1").exists() and not (tmp_path / "e2").exists()
 
-
-def test_cpp_attention_refuses_8bit_kv_cache(modelopt_checkpoint, tmp_path):
-    bf16, _, _ = modelopt_checkpoint("W8A16", "INT8")
-    with pytest.raises(ConfigError, match="8-bit KV cache .*INT8.* gpt_attention_plugin 'cpp'"):
-        _build(bf16, tmp_path / "e", None, plugin_config={"gpt_attention_plugin": "cpp"})

@@ -23,7 +23,7 @@ BUILD_OPTIONS = [
     click.option("--gpt_attention_plugin", type=click.Choice(["cpp", "inline", "auto"]), default=None,
                  help="Paged attention as the C++ plugin (reads KV pages in place), traced inline for the "
                       "compiler, or the kiln:: Python op (debugging). Default: cpp for aoti, inline for "
-                      "eager and for 8-bit KV caches."),
+                      "eager."),
     click.option("--gemm_plugin", type=click.Choice(["cpp", "inline"]), default=None,
                  help="Linear layers on the C++ GEMM plugin (weights packed, kept int8/int4/fp8 when "
                       "quantized, decoded in the kernel) or traced inline onto ATen / Inductor GEMMs. "

@@ -4,8 +4,9 @@
 // (DESIGN.md, "The engine step"): q [T, H, D]; kv_cache [L, 2, blocks, block_size, KH, D];
 // context requests ctx_token_index [Sc, Qmax] (-1 padded), ctx_block_tables [Sc, MBc],
 // ctx_context_lens [Sc] (cached + new tokens); generation requests gen_token_index [Sg],
-// gen_block_tables [Sg, MBg], gen_context_lens [Sg]. Returns [T, H, D] in q's dtype; tokens in
-// neither phase are left zero.
+// gen_block_tables [Sg, MBg], gen_context_lens [Sg]; kv_scale, an 8-bit (int8, fp8 e4m3) pool's
+// static scale for this layer (a K/V value is its stored element times kv_scale). Returns [T, H, D]
+// in q's dtype; tokens in neither phase are left zero.
 //
 // This file validates the step, turns it into work items (context chunks tiled over query tokens
 // per KV head; generation tokens over all KV heads, long ones split into partitions of pages when
@@ -30,6 +31,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,6 +71,36 @@ DType dtype_of(const at::Tensor& t, const char* name) {
     case at::kHalf: return DType::Half;
     default: TORCH_CHECK(false, kOp, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
   }
+}
+
+bool is_8bit(DType t) { return t == DType::Int8 || t == DType::Float8E4M3; }
+
+DType kv_dtype_of(const at::Tensor& kv_cache) {
+  switch (kv_cache.scalar_type()) {
+    case at::kChar: return DType::Int8;
+    case at::kFloat8_e4m3fn: return DType::Float8E4M3;
+    case at::kFloat:
+    case at::kBFloat16:
+    case at::kHalf: return dtype_of(kv_cache, "kv_cache");
+    default:
+      TORCH_CHECK(false, kOp, "kv_cache must be float32, bfloat16, float16, int8 or float8_e4m3fn, got ",
+                  kv_cache.scalar_type());
+  }
+}
+
+// The K/V scale of this call: kv_scale's value, 1 without one; an 8-bit pool must come with one.
+float kv_scale_of(const std::optional<at::Tensor>& kv_scale, DType kv_dtype) {
+  if (!kv_scale.has_value()) {
+    TORCH_CHECK(!is_8bit(kv_dtype), kOp, "an int8 or float8_e4m3fn kv_cache needs kv_scale, the layer's static "
+                "scale (its elements are the K/V values divided by it)");
+    return 1.f;
+  }
+  TORCH_CHECK(kv_scale->numel() == 1 && at::isFloatingType(kv_scale->scalar_type()), kOp,
+              "kv_scale must be one floating-point value, got ", kv_scale->scalar_type(), " of shape ",
+              kv_scale->sizes());
+  const float value = kv_scale->item<float>();
+  TORCH_CHECK(std::isfinite(value) && value > 0.f, kOp, "kv_scale must be positive and finite, got ", value);
+  return value;
 }
 
 void check_dim(const at::Tensor& t, int64_t dim, const char* name, const char* shape) {
@@ -135,7 +167,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
                                const at::Tensor& ctx_token_index, const at::Tensor& ctx_block_tables,
                                const at::Tensor& ctx_context_lens, const at::Tensor& gen_token_index,
                                const at::Tensor& gen_block_tables, const at::Tensor& gen_context_lens,
-                               double scale) {
+                               double scale, const std::optional<at::Tensor>& kv_scale) {
   check_dim(q, 3, "q", "[num_tokens, num_heads, head_dim]");
   check_dim(kv_cache, 6, "kv_cache", "[layers, 2, blocks, block_size, kv_heads, head_dim]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -147,7 +179,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   TORCH_CHECK(layer >= 0 && layer < L, kOp, "layer ", layer, " is outside the cache's ", L, " layers");
   TORCH_CHECK(kv_cache.stride(5) == 1, kOp, "kv_cache's head_dim must be contiguous (it is read in place)");
   const DType q_dtype = dtype_of(q, "q");
-  const DType kv_dtype = dtype_of(kv_cache, "kv_cache");
+  const DType kv_dtype = kv_dtype_of(kv_cache);
+  const float kv_mul = kv_scale_of(kv_scale, kv_dtype);
   check_dim(ctx_token_index, 2, "ctx_token_index", "[num_ctx, max_ctx_tokens]");
   check_dim(ctx_block_tables, 2, "ctx_block_tables", "[num_ctx, max_blocks]");
   check_dim(ctx_context_lens, 1, "ctx_context_lens", "[num_ctx]");
@@ -290,6 +323,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   p.k = pool;
   p.v = pool + kv_cache.stride(1) * static_cast<int64_t>(kv_cache.element_size());
   p.kv_dtype = kv_dtype;
+  p.kv_scale = kv_mul;
   p.block_stride = kv_cache.stride(2);
   p.token_stride = kv_cache.stride(3);
   p.head_stride = kv_cache.stride(4);
@@ -323,7 +357,7 @@ at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& kv_cache,
                                 const at::Tensor& ctx_token_index, const at::Tensor& ctx_block_tables,
                                 const at::Tensor& ctx_context_lens, const at::Tensor& gen_token_index,
                                 const at::Tensor& gen_block_tables, const at::Tensor& gen_context_lens,
-                                double scale) {
+                                double scale, const std::optional<at::Tensor>& kv_scale) {
   return at::empty_like(q, at::MemoryFormat::Contiguous);
 }
 
@@ -335,7 +369,7 @@ std::string kernel_capability() { return kernel().name; }
 TORCH_LIBRARY(kiln_cpp, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, int layer, Tensor ctx_token_index, "
         "Tensor ctx_block_tables, Tensor ctx_context_lens, Tensor gen_token_index, "
-        "Tensor gen_block_tables, Tensor gen_context_lens, float scale) -> Tensor",
+        "Tensor gen_block_tables, Tensor gen_context_lens, float scale, Tensor? kv_scale=None) -> Tensor",
         {at::Tag::pt2_compliant_tag});
   // Which build of the kernel runs on this CPU: "AVX512", "AVX2" or "DEFAULT".
   m.def("kernel_capability() -> str", &kiln::kernel_capability);

@@ -8,7 +8,9 @@
 
 namespace kiln {
 
-enum class DType : int32_t { Float = 0, BFloat16 = 1, Half = 2 };
+// q and out: Float, BFloat16, Half. The KV pool also Int8 and Float8E4M3 (an 8-bit cache: values
+// are stored / kv_scale, rounded or cast).
+enum class DType : int32_t { Float = 0, BFloat16 = 1, Half = 2, Int8 = 3, Float8E4M3 = 4 };
 
 struct AttentionParams {
   // q [T, H, D]: element (t, h, d) at t * q_token_stride + h * q_head_stride + d.
@@ -22,6 +24,7 @@ struct AttentionParams {
   const void* k;
   const void* v;
   DType kv_dtype;
+  float kv_scale;  // a K/V value is its stored element times kv_scale (1 unless the pool is scaled)
   int64_t block_stride, token_stride, head_stride;
   int64_t num_heads, num_kv_heads, head_dim, block_size;
   float scale;

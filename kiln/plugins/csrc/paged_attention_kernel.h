@@ -12,9 +12,10 @@
 // (flash-attention style: running max m, running sum l, rescaled accumulator o), so no
 // [rows, context] score matrix is ever formed. The whole GQA group of a KV head shares each page.
 // A generation token's rows read the page straight from the pool, widening in registers (see
-// decode_pass); a context tile's widen bf16 / fp16 pages into a small scratch once, then take
-// scores as dot products (few rows) or broadcast-FMAs against the transposed K (many rows), and
-// p.V two rows per pass over the V page.
+// decode_pass); a context tile's widen bf16 / fp16 / 8-bit pages into a small scratch once, then
+// take scores as dot products (few rows) or broadcast-FMAs against the transposed K (many rows), and
+// p.V two rows per pass over the V page. An 8-bit pool's scale never touches a K/V element: it
+// multiplies the queries (scores) and the outputs (p.V) instead.
 //
 // No static data in this file: it would be initialized with this TU's target options at load
 // time, before the capability check (see ATen's Note [Do not compile initializers with AVX]).
@@ -22,10 +23,12 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 
@@ -51,21 +54,67 @@ inline float reduce_max(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, v);
 }
 
-// dst[0, n) = float(src[0, n)) * mul, dst[n, padded) = 0.
+// An fp8 e4m3 byte's bits moved into an fp16 (sign, then exponent and mantissa shifted up by 7) read
+// as the fp8 value / 256, exactly, subnormals included (a pool holds no NaN: writes clamp to +-448).
+// The 1/256 joins the pool's scale (kWidened).
+inline c10::Half fp8_as_half(c10::Float8_e4m3fn x) {
+  return c10::Half(static_cast<uint16_t>(((x.x & 0x80) << 8) | ((x.x & 0x7F) << 7)), c10::Half::from_bits());
+}
+
+// An element as float: exact for float, bf16, fp16 and int8; an fp8 element comes out 1/256 of its
+// value, made up by kWidened<T>.
+template <typename T>
+inline float widen(T x) {
+  if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+    return static_cast<float>(fp8_as_half(x));
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
+template <typename T>
+constexpr float kWidened = std::is_same_v<T, c10::Float8_e4m3fn> ? 256.f : 1.f;
+
+// W elements as float (see widen): read in place, widened in registers. fp8 goes through a small
+// array of halves in a form the compiler vectorizes (byte widen, shifts, masks, one convert).
+template <typename T>
+inline Vec load_vec(const T* src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(src);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    return at::vec::convert_int8_to_float(at::vec::Vectorized<int8_t>::loadu_one_fourth(src));
+#else
+    float f[W];
+    for (int64_t i = 0; i < W; ++i) f[i] = static_cast<float>(src[i]);
+    return Vec::loadu(f);
+#endif
+  } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    using Int = at::vec::Vectorized<int32_t>;
+    const Int bits = at::vec::convert<int32_t>(at::vec::Vectorized<int8_t>::loadu_one_fourth(src));
+    return at::vec::cast<float>((bits << Int(20)) & Int(static_cast<int32_t>(0x87F00000u))) * Vec(0x1p112f);
+#else
+    c10::Half h[W];
+    for (int64_t i = 0; i < W; ++i) h[i] = fp8_as_half(src[i]);
+    Vec x;
+    at::vec::load_to_float(h, x);
+    return x;
+#endif
+  } else {
+    Vec x;
+    at::vec::load_to_float(src, x);
+    return x;
+  }
+}
+
+// dst[0, n) = widen(src[0, n)) * mul, dst[n, padded) = 0.
 template <typename T>
 inline void load_row(const T* src, float mul, float* dst, int64_t n, int64_t padded) {
   const Vec vm(mul);
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    Vec x;
-    if constexpr (std::is_same_v<T, float>) {
-      x = Vec::loadu(src + i);
-    } else {
-      at::vec::load_to_float(src + i, x);
-    }
-    (x * vm).store(dst + i);
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * mul;
+  for (; i + W <= n; i += W) (load_vec(src + i) * vm).store(dst + i);
+  for (; i < n; ++i) dst[i] = widen(src[i]) * mul;
   for (; i < padded; ++i) dst[i] = 0.f;
 }
 
@@ -80,19 +129,19 @@ inline void store_row(const float* src, float mul, T* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul);
 }
 
-inline void load_q_row(const AttentionParams& p, const void* src, float* dst, int64_t Dp) {
+inline void load_q_row(const AttentionParams& p, const void* src, float mul, float* dst, int64_t Dp) {
   switch (p.q_dtype) {
-    case DType::Float: return load_row(static_cast<const float*>(src), p.scale, dst, p.head_dim, Dp);
-    case DType::BFloat16: return load_row(static_cast<const c10::BFloat16*>(src), p.scale, dst, p.head_dim, Dp);
-    case DType::Half: return load_row(static_cast<const c10::Half*>(src), p.scale, dst, p.head_dim, Dp);
+    case DType::BFloat16: return load_row(static_cast<const c10::BFloat16*>(src), mul, dst, p.head_dim, Dp);
+    case DType::Half: return load_row(static_cast<const c10::Half*>(src), mul, dst, p.head_dim, Dp);
+    default: return load_row(static_cast<const float*>(src), mul, dst, p.head_dim, Dp);
   }
 }
 
 inline void store_out_row(const AttentionParams& p, const float* src, float mul, int64_t offset) {
   switch (p.q_dtype) {
-    case DType::Float: return store_row(src, mul, static_cast<float*>(p.out) + offset, p.head_dim);
     case DType::BFloat16: return store_row(src, mul, static_cast<c10::BFloat16*>(p.out) + offset, p.head_dim);
     case DType::Half: return store_row(src, mul, static_cast<c10::Half*>(p.out) + offset, p.head_dim);
+    default: return store_row(src, mul, static_cast<float*>(p.out) + offset, p.head_dim);
   }
 }
 
@@ -215,7 +264,7 @@ template <typename T>
 inline void load_transposed(const T* kp, int64_t stride, int64_t n, int64_t D, int64_t Bp, float* kt) {
   for (int64_t t = 0; t < n; ++t) {
     const T* row = kp + t * stride;
-    for (int64_t d = 0; d < D; ++d) kt[d * Bp + t] = static_cast<float>(row[d]);
+    for (int64_t d = 0; d < D; ++d) kt[d * Bp + t] = widen(row[d]);
   }
   if (n < Bp) {
     for (int64_t d = 0; d < D; ++d) std::fill(kt + d * Bp + n, kt + (d + 1) * Bp, 0.f);
@@ -264,18 +313,6 @@ inline void scores_kt(const float* qf, int64_t Dp, int64_t r0, int64_t r1, const
       case 3: scores_kt_rows<3>(qf, Dp, r0, r1, kt, Bp, D, s, c); break;
       default: scores_kt_rows<4>(qf, Dp, r0, r1, kt, Bp, D, s, c); break;
     }
-  }
-}
-
-// W values of a K/V row as float: read in place, widened in registers.
-template <typename T>
-inline Vec load_vec(const T* src) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(src);
-  } else {
-    Vec x;
-    at::vec::load_to_float(src, x);
-    return x;
   }
 }
 
@@ -513,6 +550,9 @@ void attend_impl(const AttentionParams& p, const WorkItem& it, float* scratch) {
                              // a generation token's lane sums [kDecodeRows][Bp][W] (decode_pass)
   float* vf = kf + bs * Dp;  // [bs][Dp] the V page
   float* kt = vf + bs * Dp;  // [D][Bp] the K page transposed (context tiles)
+  // K/V elements are read widened (widen), their scale left out: K's joins the queries, V's the
+  // outputs.
+  const float kv = p.kv_scale * kWidened<T>;
 
   for (int64_t kh = 0; kh < heads; ++kh) {
     for (int64_t j = 0; j < it.n_q; ++j) {
@@ -520,7 +560,7 @@ void attend_impl(const AttentionParams& p, const WorkItem& it, float* scratch) {
         const int64_t head = (it.kv_head_begin + kh) * G + g;
         const int64_t elem = it.tokens[j] * p.q_token_stride + head * p.q_head_stride;
         const void* row = static_cast<const char*>(p.q) + elem * (p.q_dtype == DType::Float ? 4 : 2);
-        load_q_row(p, row, qf + (kh * rows + j * G + g) * Dp, Dp);
+        load_q_row(p, row, p.scale * kv, qf + (kh * rows + j * G + g) * Dp, Dp);
       }
     }
   }
@@ -546,11 +586,11 @@ void attend_impl(const AttentionParams& p, const WorkItem& it, float* scratch) {
         const int64_t r = kh * rows + j * G + g, head = (it.kv_head_begin + kh) * G + g;
         if (it.partial != nullptr) {  // one partition of the keys: the combine pass normalizes
           float* dst = it.partial + (j * p.num_heads + head) * (D + 2);
-          std::copy(o + r * Dp, o + r * Dp + D, dst);
+          for (int64_t d = 0; d < D; ++d) dst[d] = o[r * Dp + d] * kv;
           dst[D] = m[r];
           dst[D + 1] = l[r];
         } else {  // every query sees key 0, so l >= 1
-          store_out_row(p, o + r * Dp, 1.f / l[r], (it.tokens[j] * p.num_heads + head) * D);
+          store_out_row(p, o + r * Dp, kv / l[r], (it.tokens[j] * p.num_heads + head) * D);
         }
       }
     }
@@ -572,6 +612,8 @@ void attend(const AttentionParams& p, const WorkItem& item, float* scratch) {
     case DType::Float: return attend_impl<float>(p, item, scratch);
     case DType::BFloat16: return attend_impl<c10::BFloat16>(p, item, scratch);
     case DType::Half: return attend_impl<c10::Half>(p, item, scratch);
+    case DType::Int8: return attend_impl<int8_t>(p, item, scratch);
+    case DType::Float8E4M3: return attend_impl<c10::Float8_e4m3fn>(p, item, scratch);
   }
 }
 

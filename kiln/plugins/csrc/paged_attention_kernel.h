@@ -75,8 +75,10 @@ inline float widen(T x) {
 template <typename T>
 constexpr float kWidened = std::is_same_v<T, c10::Float8_e4m3fn> ? 256.f : 1.f;
 
-// W elements as float (see widen): read in place, widened in registers. fp8 goes through a small
-// array of halves in a form the compiler vectorizes (byte widen, shifts, masks, one convert).
+// W elements as float (see widen): read in place, widened in registers. int8 by ATen's convert. fp8's
+// sign-extended byte shifted up by 20 and masked to sign, exponent and mantissa reads as a float of
+// the fp8 value * 2^-120 (subnormals as float denormals, still exact), scaled to widen's value / 256
+// by one multiply. The portable build goes through halves (fp8_as_half), as widen does.
 template <typename T>
 inline Vec load_vec(const T* src) {
   if constexpr (std::is_same_v<T, float>) {

@@ -88,6 +88,16 @@ def test_greedy_matches_hf(name, backend, engine, hf_models, capsys):
     assert worst < 1e-3
 
 
+def test_batch_1_engine_with_few_blocks_per_sequence(engine, hf_models):
+    """Limits below the sizes of the step export traces with (3 decodes, 5 blocks per sequence):
+    the build still succeeds, and the engine serves one request at a time."""
+    engine_dir = engine("llama", max_batch_size=1, max_input_len=24, max_seq_len=32, max_num_tokens=24)
+    llm = LLM(engine_dir)
+    outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(hf_models("llama"), out.prompt_token_ids)[:6], out.prompt
+
+
 def test_aoti_engine_writes_the_pool_in_place(engine):
     """The compiled step updates the KV pool passed in; it neither copies nor replaces it."""
     runner = Engine(engine("llama", "aoti"), max_tokens_in_paged_kv_cache=256)

@@ -40,16 +40,22 @@ def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks:
     )
 
 
-def dynamic_shapes(build: BuildConfig):
-    def dim(name, lo, hi):
-        return Dim(name, min=lo, max=max(hi, 2))
+def dynamic_shapes(build: BuildConfig, inputs: dict):
+    def dim(name, lo, hi, example):
+        # Up to the build's limit, or the example's size where that is larger: a build for batch 1
+        # still traces the 3-decode example (the runtime never sends more than the build's limits).
+        return Dim(name, min=lo, max=max(hi, example, 2))
 
-    T = dim("num_tokens", 1, build.max_num_tokens)
-    Sc, Sg = dim("num_ctx", 0, build.max_batch_size), dim("num_gen", 0, build.max_batch_size)
-    Q = dim("max_ctx_tokens", 1, build.max_num_tokens)
-    MBc = dim("ctx_blocks", 1, build.max_blocks_per_seq)
-    MBg = dim("gen_blocks", 1, build.max_blocks_per_seq)
-    N = dim("num_logits", 1, build.max_num_tokens)
+    def size(name, axis):
+        return inputs[name].shape[axis]
+
+    T = dim("num_tokens", 1, build.max_num_tokens, size("input_ids", 0))
+    Sc = dim("num_ctx", 0, build.max_batch_size, size("ctx_token_index", 0))
+    Sg = dim("num_gen", 0, build.max_batch_size, size("gen_token_index", 0))
+    Q = dim("max_ctx_tokens", 1, build.max_num_tokens, size("ctx_token_index", 1))
+    MBc = dim("ctx_blocks", 1, build.max_blocks_per_seq, size("ctx_block_tables", 1))
+    MBg = dim("gen_blocks", 1, build.max_blocks_per_seq, size("gen_block_tables", 1))
+    N = dim("num_logits", 1, build.max_num_tokens, size("logits_index", 0))
     blocks = Dim("num_blocks", min=2, max=1 << 24)
     return dict(
         input_ids={0: T}, positions={0: T}, slot_mapping={0: T},
@@ -62,4 +68,4 @@ def dynamic_shapes(build: BuildConfig):
 def export(model: torch.nn.Module, pretrained: PretrainedConfig, build: BuildConfig):
     inputs = example_inputs(pretrained, build)
     with torch.no_grad():
-        return torch.export.export(model, (), inputs, dynamic_shapes=dynamic_shapes(build), strict=False)
+        return torch.export.export(model, (), inputs, dynamic_shapes=dynamic_shapes(build, inputs), strict=False)

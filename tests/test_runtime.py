@@ -11,13 +11,19 @@ import math
 import pytest
 import torch
 
+from conftest import TEST_BUILD
 from kiln import LLM, AsyncLLM, SamplingParams
-from kiln.runtime.llm_engine import LLMEngine
+from kiln.runtime.llm_engine import LLMEngine, load_tokenizer
 from tiny_models import PROMPTS
 
 MAX_TOKENS = 16
-# Prompt 3 (90 tokens) also asks for prompt logprobs, so that every configuration compares them too.
+# Prompt 3 also asks for prompt logprobs, so that every configuration compares them too.
 PLP = 3
+TPB = TEST_BUILD["tokens_per_block"]
+# Prompt lengths depend on the tokenizer, trained on the installed Python's json package
+# (tests/tiny_models.py): sizes built on them are derived here, never pasted.
+PREEMPTED = [0, 1, 4]  # short prompts with long outputs (test_preemption_same_tokens)
+PREEMPT_OUTPUT = 24
 
 
 def greedy(max_tokens=MAX_TOKENS, **kw) -> SamplingParams:
@@ -30,6 +36,15 @@ def ref_params() -> list[SamplingParams]:
 
 def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def blocks(num_tokens: int) -> int:
+    return -(-num_tokens // TPB)
+
+
+def room(engine: LLMEngine, prompt: str) -> int:
+    """The most tokens the engine lets this prompt generate: a request that stays in flight longest."""
+    return engine.build_config.max_seq_len - len(engine.tokenizer.encode(prompt))
 
 
 def assert_all_blocks_free(engine: LLMEngine) -> None:
@@ -66,6 +81,12 @@ def engine_dir(engine):
 
 
 @pytest.fixture(scope="module")
+def prompt_lens(engine_dir) -> list[int]:
+    tok = load_tokenizer(engine_dir)
+    return [len(tok.encode(p)) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
 def llm(engine_dir):
     return LLM(engine_dir)
 
@@ -87,20 +108,29 @@ def chunked_llm(engine_dir):
     return LLM(engine_dir, max_num_tokens=16)
 
 
-# 6 blocks of 8 tokens: each of the short prompts with long outputs below fits, not all at once.
-PREEMPT_KV = 48
-# 17 blocks: room for the longest prompt (109 tokens) + MAX_TOKENS, far from all prompts at once.
-NO_EVICT_KV = 136
+@pytest.fixture(scope="module")
+def preempt_blocks(prompt_lens) -> int:
+    """Each of the PREEMPTED prompts with its long output fits in the cache; not all at once."""
+    need = [blocks(prompt_lens[i] + PREEMPT_OUTPUT) for i in PREEMPTED]
+    assert sum(need) > max(need)
+    return max(need)
 
 
 @pytest.fixture(scope="module")
-def preempting_llm(engine_dir):
-    return LLM(engine_dir, scheduler_policy="max_utilization", max_tokens_in_paged_kv_cache=PREEMPT_KV)
+def no_evict_blocks(prompt_lens) -> int:
+    """Room for the longest prompt's whole sequence and one block more: far from all prompts at once."""
+    return max(blocks(n + MAX_TOKENS) for n in prompt_lens) + 1
 
 
 @pytest.fixture(scope="module")
-def no_evict_llm(engine_dir):
-    return LLM(engine_dir, scheduler_policy="guaranteed_no_evict", max_tokens_in_paged_kv_cache=NO_EVICT_KV)
+def preempting_llm(engine_dir, preempt_blocks):
+    return LLM(engine_dir, scheduler_policy="max_utilization", max_tokens_in_paged_kv_cache=preempt_blocks * TPB)
+
+
+@pytest.fixture(scope="module")
+def no_evict_llm(engine_dir, no_evict_blocks):
+    return LLM(engine_dir, scheduler_policy="guaranteed_no_evict",
+               max_tokens_in_paged_kv_cache=no_evict_blocks * TPB)
 
 
 @pytest.fixture(scope="module")
@@ -173,28 +203,29 @@ def test_chunked_prefill_same_tokens(chunked_llm, reference, monkeypatch):
         close_logprobs(a, b, 1e-5)
     assert outs[PLP].prompt_logprobs[0] is None
 
-    # the prompts really were chunked: no step over 16 tokens, the 109-token prompt took >= 7 steps,
+    # the prompts really were chunked: no step over 16 tokens, the longest prompt took several steps,
     # and prefill chunks shared steps with other sequences' decodes
     assert all(sum(n for *_, n, _ in s) <= 16 for s in steps)
-    longest = outs[2].request_id
-    chunks = [n for s in steps for rid, done, n, p in s if rid == longest and done < p]
-    assert len(chunks) >= math.ceil(109 / 16) and sum(chunks) == 109
+    longest = max(outs, key=lambda o: len(o.prompt_token_ids))
+    length = len(longest.prompt_token_ids)
+    chunks = [n for s in steps for rid, done, n, p in s if rid == longest.request_id and done < p]
+    assert length > 2 * 16 and len(chunks) >= math.ceil(length / 16) and sum(chunks) == length
     assert any(any(done >= p for _, done, _, p in s) and any(done + n < p for _, done, n, p in s) for s in steps)
     assert_all_blocks_free(engine)
 
 
 # --------------------------------------------------------------------------------- preemption
-def test_preemption_same_tokens(preempting_llm, llm, tok):
+def test_preemption_same_tokens(preempting_llm, llm, tok, preempt_blocks):
     engine = preempting_llm.llm_engine
-    assert engine.kv.pool.num_blocks == PREEMPT_KV // 8
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]  # 7 + 24, 21 + 24, 1 + 24 tokens: 4 + 6 + 4 blocks
-    params = [greedy(24), greedy(24, prompt_logprobs=1), greedy(24)]
+    assert engine.kv.pool.num_blocks == preempt_blocks
+    prompts = [PROMPTS[i] for i in PREEMPTED]
+    params = [greedy(PREEMPT_OUTPUT), greedy(PREEMPT_OUTPUT, prompt_logprobs=1), greedy(PREEMPT_OUTPUT)]
     before = engine.scheduler.num_preemptions
     outs = preempting_llm.generate(prompts, params)
     assert engine.scheduler.num_preemptions > before
     roomy = llm.generate(prompts, params)
     assert tokens(outs) == tokens(roomy)
-    assert all(len(t) == 24 for t in tokens(outs))
+    assert all(len(t) == PREEMPT_OUTPUT for t in tokens(outs))
     assert_text_is_decode(tok, outs)
     # prompt logprobs of a request that may have been preempted are neither lost nor scored twice
     assert outs[1].prompt_logprobs[0] is None
@@ -203,9 +234,11 @@ def test_preemption_same_tokens(preempting_llm, llm, tok):
     assert_all_blocks_free(engine)
 
 
-def test_guaranteed_no_evict_same_tokens(no_evict_llm, reference):
+def test_guaranteed_no_evict_same_tokens(no_evict_llm, reference, prompt_lens, no_evict_blocks):
     engine = no_evict_llm.llm_engine
-    which = [0, 1, PLP, 4]  # 3 + 5 + 14 + 3 blocks for whole sequences, 17 in the cache
+    which = [0, 1, PLP, 4]
+    # the first two, then prompt PLP, cannot all hold their whole sequences at once
+    assert sum(blocks(prompt_lens[i] + MAX_TOKENS) for i in which[:3]) > no_evict_blocks
     outs = no_evict_llm.generate([PROMPTS[i] for i in which], [ref_params()[i] for i in which])
     assert tokens(outs) == [reference[i].outputs[0].token_ids for i in which]
     for a, b in zip(outs[2].prompt_logprobs[1:], reference[PLP].prompt_logprobs[1:], strict=True):
@@ -237,8 +270,9 @@ def test_fork_blocks_are_kept_free_within_a_step(preempting_llm):
     """Regression: an n=2 request finishing its prompt, then a prompt admitted in the same step that
     would take every block left; the fork's copy of the partly filled last block must still find
     a free block (was OutOfBlocks in the middle of a step)."""
-    outs = preempting_llm.generate([{"prompt_token_ids": [5] * 5}, {"prompt_token_ids": [6] * 40}],
-                                   [greedy(8, n=2), greedy(8)])  # 1 + 5 blocks of 6
+    rest = preempting_llm.llm_engine.kv.pool.num_blocks - 1
+    outs = preempting_llm.generate([{"prompt_token_ids": [5] * 5}, {"prompt_token_ids": [6] * (rest * TPB)}],
+                                   [greedy(8, n=2), greedy(8)])  # 1 block, then every other one
     assert [len(o.outputs) for o in outs] == [2, 1]
     assert outs[0].outputs[0].token_ids == outs[0].outputs[1].token_ids
     assert_all_blocks_free(preempting_llm.llm_engine)
@@ -267,7 +301,7 @@ def test_seeded_sampling(llm, reference):
 
 # --------------------------------------------------------------------------------- n > 1
 def test_n_greedy_equals_n1(llm, reference, tok):
-    outs = llm.generate([PROMPTS[0], PROMPTS[2]], greedy(n=3))  # 7 and 109 prompt tokens
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], greedy(n=3))  # a short and the longest prompt
     for out, ref in zip(outs, [reference[0], reference[2]], strict=True):
         assert [c.index for c in out.outputs] == [0, 1, 2]
         assert [c.token_ids for c in out.outputs] == [ref.outputs[0].token_ids] * 3
@@ -280,9 +314,9 @@ def test_n_samples_share_prompt_blocks(llm, tok):
     engine = llm.llm_engine
     pool, tpb = engine.kv.pool, engine.build_config.tokens_per_block
     params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
-    req = engine.add_request(PROMPTS[1], params)  # 21 tokens: 2 full blocks + 5 tokens
+    req = engine.add_request(PROMPTS[1], params)
     P = req.num_prompt_tokens
-    assert P % tpb
+    assert P > tpb and P % tpb  # full blocks to share and a partly filled one to copy
     engine.step()  # the whole prompt, the fork, the first token of each sample
     seqs = req.sequences
     assert [s.index for s in seqs] == [0, 1, 2, 3]
@@ -395,17 +429,25 @@ def test_stop_token_ids_and_min_tokens(llm, reference):
 
 
 def test_stop_string_waits_for_min_tokens(llm, ascii_ref, tok):
-    """Stop strings are not checked before min_tokens (vLLM); the output runs past the first hit."""
-    prompt, ref = ascii_ref.prompt, ascii_ref.outputs[0]
-    stop = ref.text[6:9]
+    """Stop strings are not checked before min_tokens (vLLM): the output runs past the first hit
+    and stops at the first one that ends after min_tokens tokens."""
+    prompt = ascii_ref.prompt
+    stop = ascii_ref.outputs[0].text[6:9]
     first = llm.generate(prompt, greedy(stop=stop))[0].outputs[0]
     m = len(first.token_ids) + 2
-    out = llm.generate(prompt, greedy(stop=stop, min_tokens=m))[0].outputs[0]
-    assert len(out.token_ids) > m
-    assert out.token_ids == ref.token_ids[:len(out.token_ids)]
-    if out.finish_reason == "stop":
-        assert out.stop_reason == stop and len(out.text) > len(first.text)
-        assert tok.decode(out.token_ids).startswith(out.text + stop)  # cut where the stop string begins
+    long = llm.generate(prompt, greedy(4 * MAX_TOKENS))[0].outputs[0]
+    # Where the stop must come: its first occurrence in the greedy text that ends past the text of
+    # the first m tokens (the tiny model repeats itself, so there is one; the test needs it).
+    checked_from = len(tok.decode(long.token_ids[:m]))
+    pos = next((i for i in range(len(long.text)) if long.text.startswith(stop, i) and i + len(stop) > checked_from),
+               None)
+    assert pos is not None and long.text[:checked_from].isascii(), (stop, long.text)
+    out = llm.generate(prompt, greedy(4 * MAX_TOKENS, stop=stop, min_tokens=m))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) > m and out.text == long.text[:pos] and len(out.text) > len(first.text)
+    assert out.token_ids == long.token_ids[:len(out.token_ids)]
+    # generation ended on the token that completed the stop string
+    assert len(tok.decode(out.token_ids)) >= pos + len(stop) > len(tok.decode(out.token_ids[:-1]))
     assert_all_blocks_free(llm.llm_engine)
 
 
@@ -499,7 +541,7 @@ def test_async_concurrent(async_llm, reference):
 
 def test_async_close_early_aborts(async_llm):
     async def main():
-        gen = async_llm.generate(PROMPTS[0], greedy(150), request_id="early")
+        gen = async_llm.generate(PROMPTS[0], greedy(room(async_llm.llm_engine, PROMPTS[0])), request_id="early")
         got = [await gen.__anext__() for _ in range(3)]
         await gen.aclose()
         return got
@@ -512,12 +554,15 @@ def test_async_close_early_aborts(async_llm):
 
 
 def test_async_abort(async_llm):
+    # In flight for every step the engine allows it: far longer than the 2-token request beside it.
+    max_tokens = room(async_llm.llm_engine, PROMPTS[1])
+
     async def main():
         started = asyncio.Event()
         outs = []
 
         async def consume():
-            async for out in async_llm.generate(PROMPTS[1], greedy(150), request_id="to-abort"):
+            async for out in async_llm.generate(PROMPTS[1], greedy(max_tokens), request_id="to-abort"):
                 outs.append(out)
                 started.set()
 
@@ -533,7 +578,7 @@ def test_async_abort(async_llm):
 
     outs = asyncio.run(main())
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-    assert len(outs[-1].outputs[0].token_ids) < 150
+    assert len(outs[-1].outputs[0].token_ids) < max_tokens
     with async_llm._lock:
         assert_all_blocks_free(async_llm.llm_engine)
     async_llm.abort("to-abort")  # unknown or finished ids are ignored

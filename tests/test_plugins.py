@@ -51,6 +51,9 @@ def test_rms_norm(dtype):
     x, w = torch.randn(7, 3, 64, generator=g) * 3, torch.rand(64, generator=g) + 0.5
     (xl, wl), (xf, wf) = _round(x, w, dtype=dtype)
     expected = reference.rms_norm(xf, wf, 1e-6)
+    # the reference itself against torch's own RMSNorm in float64, an independent oracle
+    torch.testing.assert_close(expected.double(), F.rms_norm(xf.double(), (64,), wf.double(), 1e-6),
+                               **F32_TOL)
     _close(reference.rms_norm(xl, wl, 1e-6), expected, dtype, "reference")
     for label, fn in _paths("rms_norm"):
         _close(fn(xl, wl, 1e-6), expected, dtype, label)
@@ -62,6 +65,8 @@ def test_fused_add_rms_norm(dtype):
     x, res, w = torch.randn(9, 48, generator=g), torch.randn(9, 48, generator=g) * 4, torch.rand(48, generator=g) + 0.5
     (xl, rl, wl), (xf, rf, wf) = _round(x, res, w, dtype=dtype)
     ref_out, ref_res = reference.fused_add_rms_norm(xf, rf, wf, 1e-5)
+    torch.testing.assert_close(ref_out.double(), F.rms_norm((xf + rf).double(), (48,), wf.double(), 1e-5),
+                               **F32_TOL)
     for label, fn in _paths("fused_add_rms_norm"):
         x_before, r_before = xl.clone(), rl.clone()
         out, new_res = fn(xl, rl, wl, 1e-5)
@@ -85,6 +90,12 @@ def test_rotary_embedding(dtype, rot_dim):
     ref_q, ref_k = reference.rotary_embedding(qf, kf, cos, sin)
     if rot_dim < D:  # the dims past the rotary ones pass through
         assert torch.equal(ref_q[..., rot_dim:], qf[..., rot_dim:])
+    # the reference against an independent oracle: pairs (i, i + rot_dim/2) as complex numbers
+    # turned by e^{i * angle}, in float64
+    half = rot_dim // 2
+    z = torch.complex(qf[..., :half].double(), qf[..., half:rot_dim].double()) * torch.polar(
+        torch.ones_like(angles.double()), angles.double())[:, None, :]
+    torch.testing.assert_close(ref_q[..., :rot_dim].double(), torch.cat([z.real, z.imag], -1), **F32_TOL)
     for label, fn in _paths("rotary_embedding"):
         out_q, out_k = fn(ql, kl, cos, sin)
         _close(out_q, ref_q, dtype, label + " q")

@@ -1,4 +1,7 @@
 """HF transformers is the oracle: same weights, float32, greedy tokens and logits must agree."""
+import re
+import zipfile
+
 import pytest
 import torch
 import transformers
@@ -11,10 +14,15 @@ from kiln.runtime.sequence import Request, Sequence
 from tiny_models import PROMPTS
 
 NEW_TOKENS = 24
-# Every family on both backends; the other rope-scaling variants on the eager backend.
-CASES = [("llama", "aoti"), ("mistral", "aoti"), ("qwen2", "aoti"), ("qwen3", "aoti"),
-         ("llama", "eager"), ("mistral", "eager"), ("qwen2", "eager"), ("qwen3", "eager"),
-         ("llama_linear", "eager"), ("llama_dynamic", "eager")]
+# Every op a kiln:: custom-op node (the plugin path TensorRT-LLM's flags name) instead of inline code.
+KILN_PLUGINS = {"plugin_config": {"rmsnorm_plugin": "auto", "rope_plugin": "auto", "swiglu_plugin": "auto",
+                                  "gpt_attention_plugin": "auto", "gemm_plugin": None}}
+# Every family on both backends; the other rope-scaling variants on the eager backend; the plugin
+# path compiled once and run eager once (q/k norm, head_dim != hidden / heads).
+CASES = [("llama", "aoti", {}), ("mistral", "aoti", {}), ("qwen2", "aoti", {}), ("qwen3", "aoti", {}),
+         ("llama", "eager", {}), ("mistral", "eager", {}), ("qwen2", "eager", {}), ("qwen3", "eager", {}),
+         ("llama_linear", "eager", {}), ("llama_dynamic", "eager", {}),
+         ("llama", "aoti", KILN_PLUGINS), ("qwen3", "eager", KILN_PLUGINS)]
 
 
 def hf_greedy(model, prompt_ids: list[int]) -> list[int]:
@@ -48,6 +56,17 @@ def engine_logits(engine: Engine, token_lists: list[list[int]]) -> list[torch.Te
     return result
 
 
+def kiln_ops(engine_dir) -> set[str]:
+    """The torch.ops.kiln ops an engine's graph calls (from the serialized graph of an eager engine,
+    the proxy-executor nodes of an AOTInductor package)."""
+    found = set()
+    with zipfile.ZipFile(engine_dir / "rank0.engine") as z:
+        for name in z.namelist():
+            if name.endswith(".json"):
+                found |= set(re.findall(r"\bkiln(?:\.|::)(\w+)", z.read(name).decode(errors="replace")))
+    return found
+
+
 @pytest.fixture(scope="module")
 def hf_models(hf_model):
     cache = {}
@@ -61,9 +80,13 @@ def hf_models(hf_model):
     return get
 
 
-@pytest.mark.parametrize("name,backend", CASES)
-def test_greedy_matches_hf(name, backend, engine, hf_models, capsys):
-    engine_dir = engine(name, backend)
+@pytest.mark.parametrize("name,backend,overrides", CASES,
+                         ids=[f"{n}-{b}" + ("-kiln_plugins" if o else "") for n, b, o in CASES])
+def test_greedy_matches_hf(name, backend, overrides, engine, hf_models, capsys):
+    engine_dir = engine(name, backend, **overrides)
+    if overrides:  # the engine really calls the kiln:: ops, not inline code
+        assert {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "kv_cache_write",
+                "paged_attention"} <= kiln_ops(engine_dir)
     llm = LLM(engine_dir)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     lengths = sorted({len(o.prompt_token_ids) for o in outs})
@@ -84,7 +107,7 @@ def test_greedy_matches_hf(name, backend, engine, hf_models, capsys):
             ref = model(torch.tensor([seq])).logits[0]
         worst = max(worst, (got - ref).abs().max().item())
     with capsys.disabled():
-        print(f"\n[{name}/{backend}] max |logit - HF logit| = {worst:.2e}")
+        print(f"\n[{name}/{backend}{'/kiln plugins' if overrides else ''}] max |logit - HF logit| = {worst:.2e}")
     assert worst < 1e-3
 
 

@@ -15,8 +15,9 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.txt
 	$(PY) -m kiln.plugins.cpp
 	touch $@
 
+# KILN_TEST_STRICT: a test whose dependency is missing fails here instead of skipping.
 test: install
-	$(PY) -m pytest -q tests
+	KILN_TEST_STRICT=1 $(PY) -m pytest -q tests
 
 # The default model: a 6M-parameter Llama trained on the standard library's source by
 # examples/train_default_model.py (see models/kiln-tiny-stdlib/README.md).

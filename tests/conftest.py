@@ -1,5 +1,7 @@
 """Session-wide tiny models and engines, built once and shared by every test that asks."""
+import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +11,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_model  # noqa: E402
+
+# `make test` sets it: there a missing optional dependency is a failure, never a silent skip.
+STRICT = os.environ.get("KILN_TEST_STRICT") == "1"
+MODELOPT = ("modelopt.torch.quantization", "NVIDIA ModelOpt is not installed (pip install 'kiln-llm[quant]')")
+
+
+def require(module: str, what: str, module_level: bool = False) -> None:
+    """Skip the test (or the module) when `module` cannot be imported, saying what is missing and
+    how to get it; under KILN_TEST_STRICT=1, fail instead."""
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        message = f"{what}: {type(e).__name__}: {e}"
+        if STRICT:
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message, allow_module_level=module_level)
+
 
 TEST_BUILD = dict(max_batch_size=8, max_input_len=128, max_seq_len=192, max_num_tokens=256,
                   tokens_per_block=8)

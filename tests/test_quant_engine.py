@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import modelopt_export
+from conftest import MODELOPT, require
 from kiln import LLM, SamplingParams
 from kiln.build.builder import build_engine
 from kiln.config import BuildConfig, ConfigError
@@ -59,6 +60,7 @@ def test_quantized_gemms_match_their_reference(dtype, out, inp, group):
 
 
 def test_int4_packing_is_modelopts():
+    require(*MODELOPT)
     from modelopt.torch.export.quant_utils import pack_int4_in_uint8
 
     w = torch.randn(64, 96)
@@ -100,6 +102,7 @@ def test_8bit_kv_cache_matches_reference(kv_dtype):
 @pytest.fixture(scope="session")
 def modelopt_checkpoint(hf_model, tmp_path_factory):
     """modelopt_checkpoint(algo, kv=None) -> (bf16 checkpoint dir, float32 view of it, oracle)."""
+    require(*MODELOPT)
     cache = {}
 
     def get(algo, kv=None):

@@ -20,7 +20,9 @@ from kiln.convert.quantize.pipeline import QuantOptions
 from kiln.convert.quantize.rtn import (dequantize_linear, int4_per_group, int8_per_channel, pack_int4,
                                        unpack_int4)
 
-pytest.importorskip("modelopt.torch.quantization")
+from conftest import MODELOPT, require  # noqa: E402
+
+require(*MODELOPT, module_level=True)
 from tiny_models import corpus  # noqa: E402
 
 GROUP = 32  # divides every tiny model's linear inputs (64 and 128)

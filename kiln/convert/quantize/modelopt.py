@@ -144,6 +144,36 @@ def read_export(export_dir: Path, expected_algo: str | None, num_layers: int,
     return quant, tensors
 
 
+KV_MAX = {"fp8": 448.0, "int8": 127.0}  # the 8-bit grid's largest value: amax = scale * KV_MAX
+
+
+def match_checkpoint(model, tensors: dict[str, torch.Tensor], quant_algo: str | None, group_size: int,
+                     num_layers: int, kv_cache_dtype: str | None) -> None:
+    """Make ModelOpt's fake-quant model compute what the checkpoint holds, so that the accuracy
+    report is the checkpoint's own. Export states three things differently from the quantizers:
+    pre-quant scales rounded to 16 bits, one KV-cache scale for K and V (FP8 ones clamped to >= 1),
+    and weights one step off in a few elements (it divides by the scale in 16-bit arithmetic).
+    The weights become the checkpoint's, dequantized (the weight quantizers map them onto
+    themselves); pre-quant scales go to the input quantizers; KV scales to the K/V quantizers."""
+    from kiln.convert.quantize.report import hf_linears, load_dequantized
+
+    pqs = {k: v for k, v in tensors.items() if k.endswith(".prequant_scaling_factor")}
+    with torch.inference_mode():  # export left inference tensors behind
+        if quant_algo:  # unfolded: the input quantizers apply the pre-quant scales
+            load_dequantized(model, {k: v for k, v in tensors.items() if k not in pqs}, quant_algo,
+                             group_size, num_layers)
+        for i in range(num_layers):
+            layer, prefix = model.model.layers[i], f"transformer.layers.{i}."
+            for name, modules in hf_linears(layer).items():
+                if prefix + name + ".prequant_scaling_factor" in pqs:
+                    for module in modules:
+                        module.input_quantizer.pre_quant_scale = pqs[prefix + name + ".prequant_scaling_factor"].float()
+            if kv_cache_dtype:
+                amax = tensors[prefix + "attention.kv_cache_scaling_factor"].float() * KV_MAX[kv_cache_dtype]
+                for q in (layer.self_attn.k_bmm_quantizer, layer.self_attn.v_bmm_quantizer):
+                    q.amax = amax.reshape(q.amax.shape)
+
+
 def quantize_and_export(model, architecture: str, qformat: str | None, kv_cache_dtype: str | None,
                         group_size: int, calib: list[torch.Tensor], num_layers: int, dtype: str,
                         log: Callable[[str], object] = lambda _: None,
@@ -170,4 +200,6 @@ def quantize_and_export(model, architecture: str, qformat: str | None, kv_cache_
                    if f"{p}.prequant_scaling_factor" not in tensors]
         if missing:
             raise ConfigError(f"ModelOpt's {qformat} export lacks {missing[0]}.prequant_scaling_factor")
+    match_checkpoint(model, tensors, FORMATS[qformat].quant_algo if qformat else None, group_size, num_layers,
+                     kv_cache_dtype)
     return tensors

@@ -40,28 +40,26 @@ def compare(ref_model, quant_model, windows: list[torch.Tensor], batch_size: int
             "kl_divergence_mean": kl / count, "top1_agreement": agree / count, "eval_tokens": count}
 
 
+def hf_linears(layer) -> dict[str, list[torch.nn.Module]]:
+    """A HF decoder layer's linears by checkpoint name (qkv: the q, k and v projections, in order)."""
+    attn = layer.self_attn
+    return {"attention.qkv": [attn.q_proj, attn.k_proj, attn.v_proj],
+            **{name: [layer.get_submodule(hf)] for name, hf in HF_LINEARS.items()}}
+
+
 def load_dequantized(model, tensors: dict[str, torch.Tensor], quant_algo: str, group_size: int,
                      num_layers: int) -> None:
-    """Replace `model`'s linear weights with what the checkpoint tensors dequantize to."""
+    """Replace `model`'s linear weights with what the checkpoint tensors dequantize to (with any
+    pre-quant scales among them folded in)."""
     from kiln.convert.quantize.rtn import dequantize_linear
 
     for i in range(num_layers):
-        layer = model.model.layers[i]
         prefix = f"transformer.layers.{i}."
-
-        def dequant(name):
-            parts = {k[len(prefix + name) + 1:]: v for k, v in tensors.items()
-                     if k.startswith(prefix + name + ".")}
-            return dequantize_linear(parts, quant_algo, group_size)
-
-        attn = layer.self_attn
-        q_rows, kv_rows = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-        qkv = dequant("attention.qkv")
-        for proj, rows in zip((attn.q_proj, attn.k_proj, attn.v_proj),
-                              qkv.split([q_rows, kv_rows, kv_rows])):
-            proj.weight.data.copy_(rows)
-        for name, hf in HF_LINEARS.items():
-            layer.get_submodule(hf).weight.data.copy_(dequant(name))
+        for name, modules in hf_linears(model.model.layers[i]).items():
+            parts = {k[len(prefix + name) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + name + ".")}
+            weight = dequantize_linear(parts, quant_algo, group_size)
+            for module, rows in zip(modules, weight.split([m.weight.shape[0] for m in modules])):
+                module.weight.data.copy_(rows)
 
 
 def summary_lines(report: dict) -> list[str]:

@@ -35,7 +35,7 @@ TEST_BUILD = dict(max_batch_size=8, max_input_len=128, max_seq_len=192, max_num_
 
 @pytest.fixture(scope="session", autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 2))  # OMP_NUM_THREADS=1: a slow run
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import argparse
 import time
 
 from kiln.runtime.engine import Engine
-from kiln.runtime.model_runner import plan_step
+from kiln.runtime.model_runner import plan_step, tables_of
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import SchedulerOutput
 from kiln.runtime.sequence import Request, Sequence
@@ -17,12 +17,12 @@ from kiln.runtime.sequence import Request, Sequence
 
 def decode_step_ms(engine: Engine, context: int, steps: int) -> float:
     bs = engine.config.build_config.tokens_per_block
-    req = Request("r", None, list(range(3, 3 + context)), SamplingParams(), 1)
+    req = Request("r", list(range(3, 3 + context)), SamplingParams(), 1)
     seq = Sequence(req, 0, list(req.prompt_token_ids))
     # The sequence's blocks sit at the far end of the pool, so a copy of the pool would show.
     seq.block_table = list(range(engine.num_blocks - 1, engine.num_blocks - 1 - (-(-context // bs)), -1))
     seq.num_computed_tokens = context - 1
-    plan = plan_step(SchedulerOutput([(seq, 1)]), bs)
+    plan = plan_step(SchedulerOutput([(seq, 1)]), bs, tables_of([seq]))
     engine(plan.inputs)
     start = time.perf_counter()
     for _ in range(steps):

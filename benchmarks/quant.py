@@ -110,7 +110,7 @@ def main():
             build_engine(ckpt, engine_dir, BuildConfig(**build), log=lambda m: print(f"  {m}", file=sys.stderr))
             build_s = time.perf_counter() - start
         llm = LLM(engine_dir)
-        engine = llm.llm_engine.engine
+        engine = llm.llm_engine.core.executor.engine
         report_path = ckpt / "quant_report.json"
         report = json.loads(report_path.read_text()) if report_path.exists() else {}
         rows.append(dict(

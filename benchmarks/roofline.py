@@ -71,7 +71,7 @@ def main():
     out = llm.generate([prompt], params)[0]
     per_token = out.metrics.time_per_output_token
     mean_context = args.input_len + args.output_len // 2
-    moved = decode_bytes_per_token(llm.llm_engine.engine, mean_context)
+    moved = decode_bytes_per_token(llm.llm_engine.core.executor.engine, mean_context)
     achieved = moved / per_token / 1e9
     print(f"batch-1 decode: {1 / per_token:.1f} tokens/s, {moved / 2**20:.1f} MiB read per token, "
           f"{achieved:.1f} GB/s = {achieved / roofline:.0%} of the roofline")

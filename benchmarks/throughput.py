@@ -130,13 +130,13 @@ def mixed_step(engine, vocab, prefill_len=512, num_decodes=15, input_len=128, re
         engine.add_request(long_prompt, long_params)
         prefill.append(timed_step())
     params = SamplingParams(temperature=0, max_tokens=4 * repeats + 8, ignore_eos=True)
-    decoders = [engine.add_request({"prompt_token_ids": p}, params).request_id
+    decoders = [engine.add_request({"prompt_token_ids": p}, params)
                 for p in prompts(num_decodes, input_len, vocab, seed=4)]
     engine.step()  # their prefill: from here on they decode
     decode, mixed = [], []
     for _ in range(repeats + 1):
         decode.append(timed_step())
-        rid = engine.add_request(long_prompt, long_params).request_id
+        rid = engine.add_request(long_prompt, long_params)
         mixed.append(timed_step())
         engine.abort(rid)
     for rid in decoders:
@@ -231,7 +231,7 @@ def main():
         short = decode_seconds_at(llm, args.input_len, vocab)
         long = decode_seconds_at(llm, args.long_context, vocab)
         results["long_context"] = {"context": args.long_context, "short_s": short, "long_s": long}
-    if args.prefill_len + 15 <= llm.llm_engine.max_num_tokens and max_batch >= 16:
+    if args.prefill_len + 15 <= llm.llm_engine.core.scheduler.max_num_tokens and max_batch >= 16:
         mixed, pre, dec = mixed_step(llm.llm_engine, vocab, args.prefill_len, 15, args.input_len)
         results["mixed_step"] = {"mixed_s": mixed, "prefill_s": pre, "decode15_s": dec}
     if args.roofline:

@@ -74,7 +74,7 @@ def run(engine_dir, prompts, threads, stop, **sampling):
         requests = [engine.add_request(p, params) for p in prompts]
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    shown = {r.request_id: 0 for r in requests}
+    shown = {rid: 0 for rid in requests}
     current = 0
     start = time.monotonic()
     done = {}
@@ -84,7 +84,7 @@ def run(engine_dir, prompts, threads, stop, **sampling):
             done[out.request_id] = out
         # Stream the current prompt's text as it grows; the others are buffered until its turn.
         while current < len(requests):
-            rid = requests[current].request_id
+            rid = requests[current]
             out = done.get(rid)
             if out is None:
                 break

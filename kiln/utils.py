@@ -29,3 +29,24 @@ def replace_dir(new: Path, dst: Path) -> None:
 
 def progress(**kwargs):
     return tqdm(file=sys.stderr, disable=kwargs.pop("disable", None), **kwargs)
+
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512_fp16",
+             "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_summary() -> str:
+    """The CPU model and the SIMD features the kernels choose by, for benchmark reports (what wins
+    on one CPU can lose on another)."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    have = [f for f in ISA_FLAGS if f in flags]
+    return f"cpu: {model}, {os.cpu_count()} logical cores; flags: {' '.join(have) or 'none of ' + ', '.join(ISA_FLAGS)}"

@@ -8,7 +8,7 @@ import transformers
 
 from kiln import LLM, SamplingParams
 from kiln.runtime.engine import Engine
-from kiln.runtime.model_runner import plan_step
+from kiln.runtime.model_runner import plan_step, tables_of
 from kiln.runtime.scheduler import SchedulerOutput
 from kiln.runtime.sequence import Request, Sequence
 from tiny_models import PROMPTS
@@ -41,14 +41,14 @@ def engine_logits(engine: Engine, token_lists: list[list[int]]) -> list[torch.Te
     bs = engine.config.build_config.tokens_per_block
     out, next_block = SchedulerOutput(), 0
     for tokens in token_lists:
-        req = Request("r", None, tokens, SamplingParams(prompt_logprobs=0), len(tokens))
+        req = Request("r", tokens, SamplingParams(prompt_logprobs=0), len(tokens))
         req.prompt_logprobs = [None]
         seq = Sequence(req, 0, list(tokens))
         nblocks = -(-len(tokens) // bs)
         seq.block_table = list(range(next_block, next_block + nblocks))
         next_block += nblocks
         out.scheduled.append((seq, len(tokens)))
-    plan = plan_step(out, bs)
+    plan = plan_step(out, bs, tables_of([seq for seq, _ in out.scheduled]))
     logits = engine(plan.inputs)
     result = []
     for (seq, _), (_, _, rows), (_, last) in zip(out.scheduled, plan.prompt_rows, plan.sample):
@@ -125,10 +125,10 @@ def test_aoti_engine_writes_the_pool_in_place(engine):
     """The compiled step updates the KV pool passed in; it neither copies nor replaces it."""
     runner = Engine(engine("llama", "aoti"), max_tokens_in_paged_kv_cache=256)
     pool, ptr = runner.kv_cache, runner.kv_cache.data_ptr()
-    req = Request("r", None, list(range(3, 20)), SamplingParams(), 1)
+    req = Request("r", list(range(3, 20)), SamplingParams(), 1)
     seq = Sequence(req, 0, list(req.prompt_token_ids))
     seq.block_table = [5, 2, 30]  # scattered pages
-    plan = plan_step(SchedulerOutput([(seq, 17)]), 8)
+    plan = plan_step(SchedulerOutput([(seq, 17)]), 8, tables_of([seq]))
     runner(plan.inputs)
     assert runner.kv_cache is pool and pool.data_ptr() == ptr
     written = pool.abs().sum(dim=(0, 1, 3, 4, 5)) > 0

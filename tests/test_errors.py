@@ -282,10 +282,10 @@ def llm(engine):
 
 def assert_still_serves(llm: LLM) -> None:
     """Nothing of a rejected request is left behind, and the same LLM still answers correctly."""
-    engine = llm.llm_engine
-    assert not engine.requests
-    assert not engine.scheduler.waiting and not engine.scheduler.running
-    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    engine, core = llm.llm_engine, llm.llm_engine.core
+    assert not engine.has_unfinished_requests() and not core.requests
+    assert not core.scheduler.waiting and not core.scheduler.running
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0]
     assert out.finished and out.outputs[0].token_ids == llm.reference
 
@@ -313,9 +313,9 @@ def test_limits_are_inclusive(llm):
     engine = llm.llm_engine
     for prompt, params in [([5] * 128, SamplingParams(max_tokens=64)), ([5] * 100, SamplingParams(max_tokens=92)),
                            ([5] * 100, SamplingParams(max_tokens=None))]:  # None: up to max_seq_len
-        req = engine.add_request({"prompt_token_ids": prompt}, params)
-        assert req.max_tokens == 192 - len(prompt)
-        engine.abort(req.request_id)
+        rid = engine.add_request({"prompt_token_ids": prompt}, params)
+        assert engine.core.requests[rid].max_tokens == 192 - len(prompt)
+        engine.abort(rid)
     assert_still_serves(llm)
 
 

@@ -7,6 +7,7 @@ Greedy outputs of one LLM with default settings (`reference`) are the yardstick 
 configurations must reproduce token for token."""
 import asyncio
 import math
+import time
 
 import pytest
 import torch
@@ -42,19 +43,32 @@ def blocks(num_tokens: int) -> int:
     return -(-num_tokens // TPB)
 
 
-def room(engine: LLMEngine, prompt: str) -> int:
+def room(llm, prompt: str) -> int:
     """The most tokens the engine lets this prompt generate: a request that stays in flight longest."""
-    return engine.build_config.max_seq_len - len(engine.tokenizer.encode(prompt))
+    return llm.build_config.max_seq_len - len(llm.tokenizer.encode(prompt))
 
 
 def assert_all_blocks_free(engine: LLMEngine) -> None:
-    kv, pool = engine.kv, engine.kv.pool
-    assert not engine.has_unfinished_requests()
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    core = engine.core
+    kv, pool = core.kv, core.kv.pool
+    assert not engine.has_unfinished_requests() and not core.requests
+    assert not core.scheduler.running and not core.scheduler.waiting
     assert pool.num_free == pool.num_blocks
     assert sorted(pool.free) == list(range(pool.num_blocks))  # each block once
     assert all(c == 0 for c in pool.ref_counts)
     assert kv.reserved == 0
+
+
+def assert_async_blocks_free(async_llm: AsyncLLM) -> None:
+    """The core (another process) frees blocks when it reads an abort: wait for its stats to say so."""
+    deadline = time.monotonic() + 30
+    while True:
+        s = async_llm.stats()
+        if s["num_free_kv_blocks"] == s["num_kv_blocks"] and not s["num_requests_running"] + s["num_requests_waiting"]:
+            break
+        assert time.monotonic() < deadline, s
+        time.sleep(0.01)
+    assert not async_llm.output_processor.requests
 
 
 def assert_text_is_decode(tok, outputs) -> None:
@@ -185,7 +199,7 @@ def test_metrics(reference):
 def test_chunked_prefill_same_tokens(chunked_llm, reference, monkeypatch):
     engine = chunked_llm.llm_engine
     steps = []
-    schedule = engine.scheduler.schedule
+    schedule = engine.core.scheduler.schedule
 
     def recording_schedule():
         out = schedule()
@@ -193,7 +207,7 @@ def test_chunked_prefill_same_tokens(chunked_llm, reference, monkeypatch):
                       for seq, n in out.scheduled])
         return out
 
-    monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
+    monkeypatch.setattr(engine.core.scheduler, "schedule", recording_schedule)
     outs = chunked_llm.generate(PROMPTS, ref_params())
     assert tokens(outs) == tokens(reference)
     for a, b in zip(outs, reference):
@@ -217,12 +231,12 @@ def test_chunked_prefill_same_tokens(chunked_llm, reference, monkeypatch):
 # --------------------------------------------------------------------------------- preemption
 def test_preemption_same_tokens(preempting_llm, llm, tok, preempt_blocks):
     engine = preempting_llm.llm_engine
-    assert engine.kv.pool.num_blocks == preempt_blocks
+    assert engine.core.kv.pool.num_blocks == preempt_blocks
     prompts = [PROMPTS[i] for i in PREEMPTED]
     params = [greedy(PREEMPT_OUTPUT), greedy(PREEMPT_OUTPUT, prompt_logprobs=1), greedy(PREEMPT_OUTPUT)]
-    before = engine.scheduler.num_preemptions
+    before = engine.core.scheduler.num_preemptions
     outs = preempting_llm.generate(prompts, params)
-    assert engine.scheduler.num_preemptions > before
+    assert engine.core.scheduler.num_preemptions > before
     roomy = llm.generate(prompts, params)
     assert tokens(outs) == tokens(roomy)
     assert all(len(t) == PREEMPT_OUTPUT for t in tokens(outs))
@@ -243,7 +257,7 @@ def test_guaranteed_no_evict_same_tokens(no_evict_llm, reference, prompt_lens, n
     assert tokens(outs) == [reference[i].outputs[0].token_ids for i in which]
     for a, b in zip(outs[2].prompt_logprobs[1:], reference[PLP].prompt_logprobs[1:], strict=True):
         close_logprobs(a, b, 1e-5)
-    assert engine.scheduler.num_preemptions == 0
+    assert engine.core.scheduler.num_preemptions == 0
     # the cache really was too small: the long request waited until the first ones finished
     assert outs[2].metrics.first_scheduled_time > outs[0].metrics.finished_time
     assert_all_blocks_free(engine)
@@ -256,9 +270,9 @@ def test_preemption_with_n_and_seeds(preempting_llm, llm, reference):
               greedy(8, n=3), SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=8, ignore_eos=True)]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]
     engine = preempting_llm.llm_engine
-    before = engine.scheduler.num_preemptions
+    before = engine.core.scheduler.num_preemptions
     small = preempting_llm.generate(prompts, params)
-    assert engine.scheduler.num_preemptions > before
+    assert engine.core.scheduler.num_preemptions > before
     roomy = llm.generate(prompts, params)
     assert [[c.token_ids for c in o.outputs] for o in small] == [[c.token_ids for c in o.outputs] for o in roomy]
     assert [c.token_ids for c in small[1].outputs] == [reference[1].outputs[0].token_ids[:8]] * 3
@@ -270,7 +284,7 @@ def test_fork_blocks_are_kept_free_within_a_step(preempting_llm):
     """Regression: an n=2 request finishing its prompt, then a prompt admitted in the same step that
     would take every block left; the fork's copy of the partly filled last block must still find
     a free block (was OutOfBlocks in the middle of a step)."""
-    rest = preempting_llm.llm_engine.kv.pool.num_blocks - 1
+    rest = preempting_llm.llm_engine.core.kv.pool.num_blocks - 1
     outs = preempting_llm.generate([{"prompt_token_ids": [5] * 5}, {"prompt_token_ids": [6] * (rest * TPB)}],
                                    [greedy(8, n=2), greedy(8)])  # 1 block, then every other one
     assert [len(o.outputs) for o in outs] == [2, 1]
@@ -312,9 +326,9 @@ def test_n_greedy_equals_n1(llm, reference, tok):
 
 def test_n_samples_share_prompt_blocks(llm, tok):
     engine = llm.llm_engine
-    pool, tpb = engine.kv.pool, engine.build_config.tokens_per_block
+    pool, tpb = engine.core.kv.pool, engine.build_config.tokens_per_block
     params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
-    req = engine.add_request(PROMPTS[1], params)
+    req = engine.core.requests[engine.add_request(PROMPTS[1], params)]
     P = req.num_prompt_tokens
     assert P > tpb and P % tpb  # full blocks to share and a partly filled one to copy
     engine.step()  # the whole prompt, the fork, the first token of each sample
@@ -326,11 +340,11 @@ def test_n_samples_share_prompt_blocks(llm, tok):
     assert all(pool.ref_counts[b] == 4 for b in tables[0][:full])
     lasts = [t[full] for t in tables]
     assert len(set(lasts)) == 4  # the partly filled block is copied, one each
-    kv = engine.engine.kv_cache
+    kv = engine.core.executor.engine.kv_cache
     for b in lasts[1:]:
         assert torch.equal(kv[:, :, b, :P % tpb], kv[:, :, lasts[0], :P % tpb])
     used = pool.num_blocks - pool.num_free
-    assert used == full + 4 < 4 * engine.kv.blocks_for(P + 1)
+    assert used == full + 4 < 4 * engine.core.kv.blocks_for(P + 1)
     while engine.has_unfinished_requests():
         outs = engine.step()
     (out,) = outs
@@ -457,14 +471,14 @@ def test_eos_finish(llm, reference, tok):
     engine = llm.llm_engine
     ref = reference[4].outputs[0].token_ids
     j = first_new_token(ref, 2)
-    saved = engine.eos_token_ids
-    engine.eos_token_ids = (ref[j],)
+    saved = engine.input_processor.eos_token_ids
+    engine.input_processor.eos_token_ids = (ref[j],)
     try:
         plain = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
         outs = llm.generate([PROMPTS[4], PROMPTS[4], PROMPTS[4]], [
             plain, greedy(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=j + 3)])
     finally:
-        engine.eos_token_ids = saved
+        engine.input_processor.eos_token_ids = saved
     eos, ignored, late = (o.outputs[0] for o in outs)
     assert eos.token_ids == ref[:j + 1] and eos.finish_reason == "stop" and eos.stop_reason is None
     assert ignored.token_ids == ref and ignored.finish_reason == "length"
@@ -476,8 +490,8 @@ def test_eos_finish(llm, reference, tok):
 def test_abort_frees_blocks(chunked_llm, no_evict_llm):
     # mid chunked prefill, and mid decode after a fork
     engine = chunked_llm.llm_engine
-    long = engine.add_request(PROMPTS[2], greedy())
-    forked = engine.add_request(PROMPTS[1], greedy(n=3))
+    long = engine.core.requests[engine.add_request(PROMPTS[2], greedy())]
+    forked = engine.core.requests[engine.add_request(PROMPTS[1], greedy(n=3))]
     engine.step()
     assert 0 < long.sequences[0].num_computed_tokens < long.num_prompt_tokens
     aborted = engine.abort(long.request_id)
@@ -492,11 +506,11 @@ def test_abort_frees_blocks(chunked_llm, no_evict_llm):
     assert_all_blocks_free(engine)
     # guaranteed_no_evict: the running request's reservation is returned along with its blocks
     engine = no_evict_llm.llm_engine
-    running = engine.add_request(PROMPTS[2], greedy())
-    waiting = engine.add_request(PROMPTS[3], greedy(n=2))
+    running = engine.core.requests[engine.add_request(PROMPTS[2], greedy())]
+    waiting = engine.core.requests[engine.add_request(PROMPTS[3], greedy(n=2))]
     engine.step()
     engine.step()
-    assert engine.kv.reserved > 0 and running.sequences[0].output_token_ids
+    assert engine.core.kv.reserved > 0 and running.sequences[0].output_token_ids
     assert waiting.sequences[0].num_computed_tokens == 0  # no room for both
     engine.abort(waiting.request_id)
     engine.abort(running.request_id)
@@ -535,27 +549,25 @@ def test_async_concurrent(async_llm, reference):
     outs = asyncio.run(main())
     assert tokens(outs) == tokens(reference)
     assert len({o.request_id for o in outs}) == len(PROMPTS)
-    with async_llm._lock:
-        assert_all_blocks_free(async_llm.llm_engine)
+    assert_async_blocks_free(async_llm)
 
 
 def test_async_close_early_aborts(async_llm):
     async def main():
-        gen = async_llm.generate(PROMPTS[0], greedy(room(async_llm.llm_engine, PROMPTS[0])), request_id="early")
+        gen = async_llm.generate(PROMPTS[0], greedy(room(async_llm, PROMPTS[0])), request_id="early")
         got = [await gen.__anext__() for _ in range(3)]
         await gen.aclose()
         return got
 
     got = asyncio.run(main())
     assert not got[-1].finished
-    with async_llm._lock:
-        assert "early" not in async_llm.llm_engine.requests
-        assert_all_blocks_free(async_llm.llm_engine)
+    assert "early" not in async_llm.output_processor.requests
+    assert_async_blocks_free(async_llm)
 
 
 def test_async_abort(async_llm):
     # In flight for every step the engine allows it: far longer than the 2-token request beside it.
-    max_tokens = room(async_llm.llm_engine, PROMPTS[1])
+    max_tokens = room(async_llm, PROMPTS[1])
 
     async def main():
         started = asyncio.Event()
@@ -571,7 +583,7 @@ def test_async_abort(async_llm):
         # a new request gets into the busy engine and finishes while the long one still runs
         short = [o async for o in async_llm.generate(PROMPTS[4], greedy(2))]
         assert short[-1].finished and len(short[-1].outputs[0].token_ids) == 2
-        assert "to-abort" in async_llm.llm_engine.requests
+        assert "to-abort" in async_llm.output_processor.requests
         async_llm.abort("to-abort")
         await asyncio.wait_for(task, 10)  # the stream ends; its consumer is not left waiting
         return outs
@@ -579,8 +591,7 @@ def test_async_abort(async_llm):
     outs = asyncio.run(main())
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert len(outs[-1].outputs[0].token_ids) < max_tokens
-    with async_llm._lock:
-        assert_all_blocks_free(async_llm.llm_engine)
+    assert_async_blocks_free(async_llm)
     async_llm.abort("to-abort")  # unknown or finished ids are ignored
 
 
@@ -597,3 +608,31 @@ def test_detokenizer_skips_ids_past_the_tokenizer(hf_model):
     detok = IncrementalDetokenizer(tok, [past] + ids[:2])
     text = "".join(detok.add(t) for t in [ids[2], past, *ids[3:]]) + detok.flush()
     assert text == tok.decode(ids[2:]) and detok.text == text
+
+
+def test_dead_engine_core_is_a_sticky_error(engine_dir):
+    """Killing the core process fails the stream in flight and every later request with
+    EngineDeadError, at once instead of hanging."""
+    import os
+    import signal
+
+    from kiln.runtime.core_client import EngineDeadError
+
+    a = AsyncLLM(engine_dir)
+    deaths = []
+    a.on_dead = deaths.append
+
+    async def main():
+        gen = a.generate(PROMPTS[0], greedy(room(a, PROMPTS[0])))
+        await gen.__anext__()
+        os.kill(a.client.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="died"):
+            await asyncio.wait_for(gen.__anext__(), 10)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(a.generate(PROMPTS[1], greedy()).__anext__(), 10)
+
+    try:
+        asyncio.run(main())
+        assert len(deaths) == 1 and a.dead is deaths[0]
+    finally:
+        a.shutdown()

@@ -456,3 +456,36 @@ def _sigterm_under_load(server: Server, llm) -> None:
         httpx.get(f"{server.url}/health", timeout=2)
     log = server.log.read_text()
     assert "SIGTERM: draining" in log and "drain timeout" not in log
+
+
+# --------------------------------------------------------------------- a dead engine core
+def test_killed_engine_core_fails_fast(engine_dir, llm, tmp_path):
+    """The engine core runs in a process of its own: killing it fails the stream in flight, turns
+    /health 503 and makes the server exit non-zero (so that Kubernetes restarts it), in seconds."""
+    import psutil
+
+    server = Server(engine_dir, tmp_path / "server.log", "--api_key", KEY, "--served_model_name", MODEL)
+    try:
+        (core,) = [p for p in psutil.Process(server.proc.pid).children() if "kiln.runtime.core_client" in p.cmdline()]
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": room(llm, PROMPTS[0]), "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            core.kill()
+            killed = time.monotonic()
+            rest = list(lines)  # the stream ends, with an error event, instead of hanging
+        assert any("server_error" in line for line in rest) and rest[-2:] == ["data: [DONE]", ""]
+        health = []
+        while server.proc.poll() is None and time.monotonic() - killed < 10:
+            try:
+                health.append(httpx.get(f"{server.url}/health", timeout=1).status_code)
+            except httpx.TransportError:
+                break
+            time.sleep(0.05)
+        assert server.proc.wait(timeout=max(0.1, 10 - (time.monotonic() - killed))) == 1
+        assert 200 not in health
+        assert "the engine core" in server.log.read_text()
+    finally:
+        server.stop()

@@ -1,47 +1,70 @@
-"""`AsyncLLM`: asyncio streaming over one engine core stepping in a background thread."""
+"""`AsyncLLM`: asyncio streaming over an engine core that runs in a process of its own.
+
+The core's busy loop (core_client.run_engine_core) never waits for this side: requests and aborts go
+to it through a pipe, and a reader thread here turns each step's token ids into text and
+`RequestOutput`s and hands them to the streams' event loops, while the core takes the next step.
+If the core dies, every stream and every later call fails with `EngineDeadError`.
+"""
 import asyncio
-import contextlib
+import copy
 import itertools
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 
-from kiln.runtime.llm_engine import LLMEngine
+from kiln.runtime.core_client import BackgroundClient, EngineDeadError
+from kiln.runtime.input_processor import InputProcessor
+from kiln.runtime.llm_engine import eos_token_ids, load_tokenizer
+from kiln.runtime.output_processor import OutputProcessor
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
 
 class AsyncLLM:
-    def __init__(self, engine_dir, **engine_args):
-        self.llm_engine = LLMEngine(engine_dir, **engine_args)
+    """Keyword arguments go to the engine core, as for `LLM`; `engine_core="thread"` runs the core's
+    loop in a thread of this process instead (one process, for environments that cannot spawn)."""
+
+    def __init__(self, engine_dir, *, engine_core: str = "process", tokenizer=None, on_dead=None, **core_args):
+        self.on_dead = on_dead  # called (from the reader thread) with the EngineDeadError, once
+        self.client = BackgroundClient(engine_dir, engine_core, **core_args)
+        info = self.client.info
+        self.build_config, self.model_config, self.threads = info.build_config, info.model_config, info.threads
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine_dir)
+        self.input_processor = InputProcessor(info, self.tokenizer, eos_token_ids(self.model_config, self.tokenizer))
+        # The reader thread detokenizes with a tokenizer of its own: a fast tokenizer used by two
+        # threads at once can fail ("Already borrowed") while the other one encodes.
+        self.output_processor = OutputProcessor(copy.deepcopy(self.tokenizer), self.build_config.max_seq_len)
+        # Guards the output processor and the streams between the reader thread and callers.
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
-        # Callers waiting for the lock; the engine thread lets them in between two steps
-        # (threading.Lock is not fair: the stepping thread would take it back at once).
-        self._callers = 0
-        self._callers_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats = None
+        self._dead: EngineDeadError | None = None
         self._ids = itertools.count()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
-        self._thread.start()
+        self._reader = threading.Thread(target=self._read_outputs, name="kiln-outputs", daemon=True)
+        self._reader.start()
 
     @property
-    def tokenizer(self):
-        return self.llm_engine.tokenizer
+    def dead(self) -> EngineDeadError | None:
+        """The error that stopped the engine core, or None while it runs."""
+        return self._dead
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields a RequestOutput (cumulative text and tokens) each step the request advances.
         Closing the iterator early (or cancelling its task) aborts the request."""
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        # Adding waits for the step in progress: wait in a worker thread, not on the event loop
-        # (a server adding many requests would otherwise stall every stream for a step each).
-        added = loop.run_in_executor(None, self._add, prompt, sampling_params, request_id, loop, queue)
+        core_request, state = self.input_processor.process(request_id, prompt, sampling_params)
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
+            if request_id in self.output_processor.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self.output_processor.add(state)
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            await asyncio.shield(added)
+            self.client.add_request(core_request)
             while not finished:
                 out = await queue.get()
                 if isinstance(out, BaseException):
@@ -50,83 +73,97 @@ class AsyncLLM:
                 yield out
         finally:
             if not finished:
-                if not added.done():  # cancelled while being added: abort it once it is in
-                    added.add_done_callback(lambda f: f.exception() is None and self.abort(request_id))
-                elif added.exception() is None:  # abort waits for the step in progress: off the loop too
-                    await loop.run_in_executor(None, self.abort, request_id)
-
-    def _add(self, prompt, sampling_params, request_id, loop, queue) -> None:
-        with self._locked():
-            if self._stopped:
-                raise RuntimeError("AsyncLLM is shut down")
-            self.llm_engine.add_request(prompt, sampling_params, request_id)
-            self._streams[request_id] = (loop, queue)
-            self._work.notify()
-
-    def stats(self) -> dict:
-        """A consistent snapshot of the engine's load (LLMEngine.get_stats), taken between steps."""
-        with self._locked():
-            return self.llm_engine.get_stats()
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._locked():
-            out = self.llm_engine.abort(request_id)
-            if out is not None:
-                try:
-                    self._deliver(request_id, out)  # the stream ends with finish_reason "abort"
-                except RuntimeError:  # its event loop is closed; nobody is listening
-                    pass
-            self._streams.pop(request_id, None)
+        """End the request: its stream ends with finish_reason "abort"; its KV blocks are freed as
+        soon as the core reads the abort. Unknown or finished ids are ignored."""
+        request_id = str(request_id)
+        with self._lock:
+            out = self.output_processor.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+        if out is None:
+            return
+        self.client.abort(request_id)
+        if stream is not None:
+            _deliver(stream[0], [(stream[1], out)])
 
     def abort_all(self) -> list[str]:
-        """Abort every request (e.g. a server's drain ran out of time): each stream ends with
-        finish_reason "abort". Returns the ids aborted."""
-        with self._locked():
-            ids = list(self.llm_engine.requests)
+        """Abort every request (a server's drain ran out of time); returns the ids aborted."""
+        with self._lock:
+            ids = list(self.output_processor.requests)
         for request_id in ids:
             self.abort(request_id)
         return ids
 
-    def shutdown(self) -> None:
-        with self._locked():
-            self._stopped = True
-            self._work.notify()
-        self._thread.join()
-
-    @contextlib.contextmanager
-    def _locked(self):
-        with self._callers_lock:
-            self._callers += 1
+    def stats(self) -> dict:
+        """The engine's load as of its last step (requests running and waiting, KV blocks): the core
+        sends it with every step's outputs, so reading it never waits for a step."""
         with self._lock:
-            with self._callers_lock:
-                self._callers -= 1
-            try:
-                yield
-            finally:
-                self._work.notify()
+            stats = self._stats
+        if stats is None:
+            info = self.client.info
+            return dict(num_requests_running=0, num_requests_waiting=0, num_kv_blocks=info.num_kv_blocks,
+                        num_free_kv_blocks=info.num_kv_blocks, kv_cache_usage=0.0, num_preemptions=0)
+        return asdict(stats)
 
-    def _loop(self) -> None:
+    def shutdown(self) -> None:
+        self.on_dead = None  # the core stopping now is no death
+        self.client.shutdown()
+        self._reader.join(10)
+
+    def _read_outputs(self) -> None:
         while True:
+            try:
+                core_outputs = self.client.get_outputs()
+            except EngineDeadError as e:
+                self._fail_all(e)
+                return
+            except Exception:  # noqa: BLE001 - the pipe was closed by shutdown()
+                self._fail_all(EngineDeadError("the engine core was shut down"))
+                return
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
             with self._lock:
-                while not self._stopped and (self._callers or not self.llm_engine.has_unfinished_requests()):
-                    self._work.wait()
-                if self._stopped:
-                    return
-                try:
-                    outputs = self.llm_engine.step()
-                except Exception as e:  # fail every request in flight, keep the loop alive
-                    outputs = []
-                    for rid in list(self._streams):
-                        self.llm_engine.abort(rid)
-                        self._deliver(rid, e)
+                self._stats = core_outputs.stats
+                outputs, stopped = self.output_processor.process(core_outputs.outputs)
                 for out in outputs:
-                    self._deliver(out.request_id, out)
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        if out.finished:
+                            del self._streams[out.request_id]
+                        by_loop.setdefault(stream[0], []).append((stream[1], out))
+                for ids, message in core_outputs.errors:
+                    for rid in ids:
+                        self.output_processor.abort(rid)
+                        stream = self._streams.pop(rid, None)
+                        if stream is not None:
+                            by_loop.setdefault(stream[0], []).append((stream[1], RuntimeError(message)))
+            for request_id, index in stopped:
+                self.client.abort(request_id, index)
+            for loop, items in by_loop.items():
+                _deliver(loop, items)
 
-    def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        loop, queue = stream
-        if getattr(item, "finished", True):
-            del self._streams[request_id]
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            self._dead = error if isinstance(error, EngineDeadError) else EngineDeadError(str(error))
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self.output_processor.requests.clear()
+        if self.on_dead is not None:  # before the streams hear of it: whoever sees one fail sees this done
+            self.on_dead(self._dead)
+        by_loop: dict = {}
+        for loop, queue in streams:
+            by_loop.setdefault(loop, []).append((queue, self._dead))
+        for loop, items in by_loop.items():
+            _deliver(loop, items)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    """Hand outputs to their streams' queues on the streams' own event loop, in one wake-up."""
+    def put():
+        for queue, item in items:
+            queue.put_nowait(item)
+    try:
+        loop.call_soon_threadsafe(put)
+    except RuntimeError:  # that event loop is closed: nobody is listening
+        pass

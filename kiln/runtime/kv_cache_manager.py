@@ -1,23 +1,40 @@
-"""Gives sequences the KV blocks their tokens need; knows nothing of scheduling policy."""
+"""Gives sequences the KV blocks their tokens need; knows nothing of scheduling policy.
+
+Each sequence holding blocks also has a row of `block_tables`, a tensor copy of its block table
+kept in step with it as blocks are added, so that a step's tables are gathered from rows instead of
+being built from Python lists every step (kiln/runtime/model_runner.py).
+"""
+import torch
+
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.sequence import Sequence
 
 
+def blocks_for(num_tokens: int, tokens_per_block: int) -> int:
+    return -(-num_tokens // tokens_per_block)
+
+
+def request_blocks(num_prompt_tokens: int, max_len: int, n: int, tokens_per_block: int) -> tuple[int, int]:
+    """Blocks a request can ever hold at once: (all n samples, each forked sample's own share).
+    The n samples share the prompt's full blocks; the rest each sample grows on its own."""
+    per_sample = blocks_for(max_len, tokens_per_block)
+    own = per_sample - num_prompt_tokens // tokens_per_block
+    return per_sample + (n - 1) * own, own
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, tokens_per_block: int):
+    def __init__(self, num_blocks: int, tokens_per_block: int, max_seqs: int, max_blocks_per_seq: int):
         self.pool = BlockPool(num_blocks)
         self.tokens_per_block = tokens_per_block
         self.reserved = 0  # promised to admitted sequences (guaranteed_no_evict), not yet allocated
+        self.block_tables = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32)
+        self.free_rows = list(range(max_seqs - 1, -1, -1))
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.tokens_per_block)
+        return blocks_for(num_tokens, self.tokens_per_block)
 
     def request_blocks(self, num_prompt_tokens: int, max_len: int, n: int) -> tuple[int, int]:
-        """Blocks a request can ever hold at once: (all n samples, each forked sample's own share).
-        The n samples share the prompt's full blocks; the rest each sample grows on its own."""
-        per_sample = self.blocks_for(max_len)
-        own = per_sample - num_prompt_tokens // self.tokens_per_block
-        return per_sample + (n - 1) * own, own
+        return request_blocks(num_prompt_tokens, max_len, n, self.tokens_per_block)
 
     @property
     def num_available(self) -> int:
@@ -41,12 +58,23 @@ class KVCacheManager:
             return True
         seq.reserved_blocks -= from_reserve
         self.reserved -= from_reserve
-        seq.block_table.extend(self.pool.allocate(need))
+        self._append(seq, self.pool.allocate(need))
         return True
+
+    def _append(self, seq: Sequence, blocks: list[int]) -> None:
+        if seq.row < 0:
+            assert self.free_rows, "more sequences hold blocks than the batch has rows"
+            seq.row = self.free_rows.pop()
+        start = len(seq.block_table)
+        seq.block_table.extend(blocks)
+        self.block_tables[seq.row, start:start + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
 
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)
         seq.block_table = []
+        if seq.row >= 0:
+            self.free_rows.append(seq.row)
+            seq.row = -1
         self.reserved -= seq.reserved_blocks
         seq.reserved_blocks = 0
 
@@ -54,13 +82,14 @@ class KVCacheManager:
         """Share the parent's blocks with a child. A partly filled last block is copied instead,
         since both will append to it: returns (src, dst) of that copy for the runner to do."""
         full = parent.num_computed_tokens // self.tokens_per_block
-        child.block_table = list(parent.block_table[:full])
-        self.pool.share(child.block_table)
+        shared = parent.block_table[:full]
+        self.pool.share(shared)
         if full == len(parent.block_table):
+            self._append(child, shared)
             return None
         if child.reserved_blocks:
             child.reserved_blocks -= 1
             self.reserved -= 1
         dst = self.pool.allocate(1)[0]
-        child.block_table.append(dst)
+        self._append(child, shared + [dst])
         return parent.block_table[full], dst

@@ -9,7 +9,8 @@ from kiln.utils import progress
 
 class LLM:
     """Generates from an engine dir. Keyword arguments go to `LLMEngine` (scheduler policy, KV cache
-    size, `max_batch_size`/`max_num_tokens` below the build limits, `threads`)."""
+    size, `max_batch_size`/`max_num_tokens` below the build limits, `threads`, and `engine_core`:
+    "inproc" runs the engine core in this thread, "process" in a process of its own)."""
 
     def __init__(self, engine_dir, **engine_args):
         self.llm_engine = LLMEngine(engine_dir, **engine_args)
@@ -31,7 +32,7 @@ class LLM:
         ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):
-                ids.append(engine.add_request(prompt, params).request_id)
+                ids.append(engine.add_request(prompt, params))
         except Exception:
             for rid in ids:
                 engine.abort(rid)

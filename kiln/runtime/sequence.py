@@ -1,4 +1,4 @@
-"""A request and its sequences (n > 1 samples fork from one prefilled prompt)."""
+"""A request and its sequences in the engine core (n > 1 samples fork from one prefilled prompt)."""
 import enum
 import time
 from dataclasses import dataclass, field
@@ -23,12 +23,9 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    row: int = -1  # its row of the KV cache manager's block_tables while it holds blocks
     reserved_blocks: int = 0  # guaranteed_no_evict: blocks promised but not yet taken
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    detokenizer: object = None  # kiln.runtime.detokenizer.IncrementalDetokenizer
 
     @property
     def num_tokens(self) -> int:
@@ -55,10 +52,10 @@ class Sequence:
 @dataclass
 class Request:
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens bounded by the engine's max_seq_len
+    eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -51,6 +51,7 @@ class ServerState:
         self.config = config
         self.serving: Serving | None = None
         self.load_error: BaseException | None = None
+        self.engine_error: BaseException | None = None  # the engine core died while serving
         self.draining = False
         self.in_flight = 0
         self.on_fatal = lambda: None  # set by the launcher: stop the server (the engine failed to load)
@@ -65,7 +66,7 @@ class ServerState:
 
         c = self.config
         try:
-            llm = AsyncLLM(c.engine_dir, **c.engine_args)
+            llm = AsyncLLM(c.engine_dir, on_dead=self._engine_died, **c.engine_args)
             tokenizer = load_tokenizer(c.engine_dir)  # the server's own: tokenizers are not shared across threads
             self.serving = Serving(llm, tokenizer, c.served_model_names, self.metrics, c.chat_template)
             log.info("engine %s loaded: serving it as %s", c.engine_dir, ", ".join(c.served_model_names))
@@ -73,6 +74,11 @@ class ServerState:
             self.load_error = e
             log.error("failed to load the engine from %s: %s", c.engine_dir, e)
             self.on_fatal()
+
+    def _engine_died(self, error: BaseException) -> None:
+        self.engine_error = error
+        log.error("%s: /health is 503 and the server stops (exit code 1)", error)
+        self.on_fatal()
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new work and wait for the requests in flight. If the grace period runs out, abort
@@ -220,6 +226,8 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.engine_error is not None:
+            return JSONResponse(error_body(f"the engine died: {state.engine_error}", "server_error"), status_code=503)
         if state.draining:
             return JSONResponse(error_body("draining", "server_error"), status_code=503)
         if state.serving is None:

@@ -83,7 +83,7 @@ def serve(engine_dir, host, port, api_key, served_model_names, chat_template, ma
                             state, drain_timeout)
     state.on_fatal = server.stop
     server.run()
-    if state.load_error is not None:
+    if state.load_error is not None or state.engine_error is not None:
         raise SystemExit(1)
     log.info("stopped")
 

@@ -32,9 +32,8 @@ class Serving:
         self.llm, self.tokenizer, self.metrics = llm, tokenizer, metrics
         self.model_names = model_names
         self.chat_template = chat_template
-        engine = llm.llm_engine
-        self.max_model_len = engine.build_config.max_seq_len
-        self.vocab_size = engine.model_config.vocab_size
+        self.max_model_len = llm.build_config.max_seq_len
+        self.vocab_size = llm.model_config.vocab_size
         self.token_str = functools.lru_cache(maxsize=1 << 16)(self._token_str)
 
     # -- requests ------------------------------------------------------------------------------

@@ -1,0 +1,201 @@
+"""How a frontend talks to the engine core: in this thread, or through a pipe to the core's busy loop
+in a process (or a thread) of its own.
+
+`InprocClient` runs each call on the spot: `get_outputs()` is one engine step. `BackgroundClient`
+starts `run_engine_core`, which steps whenever it has work, sends each step's outputs at once and
+takes the next step while the frontend detokenizes and streams the last one (vLLM v1's engine core
+process). Its pipe carries requests and aborts one way, outputs (with the scheduler's stats) the
+other. A core process that dies closes its end of the pipe: the frontend's next read raises
+`EngineDeadError`, and so does every call after it.
+"""
+import os
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from kiln.runtime.engine_core import EngineCore, EngineCoreOutputs, EngineCoreRequest
+
+MODES = ("inproc", "thread", "process")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped (its process died or was killed): every pending and later request
+    fails with this error. vLLM's name; the frontend has to be restarted."""
+
+
+class InprocClient:
+    def __init__(self, engine_dir, **core_args):
+        self.core = EngineCore(engine_dir, **core_args)
+        self.info = self.core.info
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(request)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        self.core.abort(request_id, index)
+
+    def get_outputs(self) -> EngineCoreOutputs:
+        return self.core.step()
+
+    def shutdown(self) -> None:
+        pass
+
+
+class BackgroundClient:
+    def __init__(self, engine_dir, mode: str = "process", **core_args):
+        if mode not in ("thread", "process"):
+            raise ValueError(f"engine core mode {mode!r}: expected 'thread' or 'process'")
+        ours, theirs = socket.socketpair()
+        self.conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+        self._dead: EngineDeadError | None = None
+        if mode == "process":
+            # A fresh interpreter running this module (not multiprocessing's spawn, which re-imports
+            # the caller's __main__ and so needs an `if __name__ == "__main__"` guard in every script).
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [str(Path(__file__).parents[2])] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+            self.worker = subprocess.Popen([sys.executable, "-m", "kiln.runtime.core_client", str(theirs.fileno())],
+                                           pass_fds=[theirs.fileno()], env=env)
+            theirs.close()  # the core's end lives in its process only: its death ends the pipe
+        else:
+            self.worker = threading.Thread(target=run_engine_core, args=(Connection(theirs.detach()),),
+                                           name="kiln-engine-core", daemon=True)
+            self.worker.start()
+        self.conn.send((str(engine_dir), core_args))
+        self.info = self._ready()
+
+    def _ready(self):
+        try:
+            kind, payload = self.conn.recv()
+        except (EOFError, OSError):
+            self._join(10)
+            raise EngineDeadError(f"the engine core exited while loading (exit code "
+                                  f"{getattr(self.worker, 'returncode', None)})") from None
+        if kind == "failed":
+            self._join(10)
+            raise payload
+        return payload
+
+    @property
+    def pid(self) -> int:
+        return getattr(self.worker, "pid", None) or os.getpid()
+
+    def _join(self, timeout: float) -> None:
+        if isinstance(self.worker, subprocess.Popen):
+            try:
+                self.worker.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.worker.kill()
+                self.worker.wait()
+        else:
+            self.worker.join(timeout)
+
+    def _send(self, message) -> None:
+        if self._dead is not None:
+            raise self._dead
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except (OSError, EOFError):
+            raise self._died() from None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(("add", request))
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        try:
+            self._send(("abort", request_id, index))
+        except EngineDeadError:
+            pass  # nothing left to abort
+
+    def get_outputs(self) -> EngineCoreOutputs:
+        """The next step's outputs (or stats after aborts), waiting for them. One reader at a time."""
+        if self._dead is not None:
+            raise self._dead
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            raise self._died() from None
+
+    def _died(self) -> EngineDeadError:
+        if self._dead is None:
+            code = None
+            if isinstance(self.worker, subprocess.Popen):
+                try:
+                    code = self.worker.wait(1)  # its pipe closed as it exited: reap it for the exit code
+                except subprocess.TimeoutExpired:
+                    pass
+            self._dead = EngineDeadError(f"the engine core (pid {self.pid}) died"
+                                         + (f" with exit code {code}" if code is not None else ""))
+        return self._dead
+
+    def shutdown(self, timeout: float = 10) -> None:
+        try:
+            self._send(("shutdown",))
+        except EngineDeadError:
+            pass
+        self._join(timeout)
+        self.conn.close()
+
+
+def run_engine_core(conn: Connection) -> None:
+    """The core's busy loop: take what arrived, step while there is work, send every step's outputs."""
+    try:
+        engine_dir, core_args = conn.recv()
+        core = EngineCore(engine_dir, **core_args)
+    except BaseException as e:  # noqa: BLE001 - the frontend raises it
+        conn.send(("failed", _picklable(e)))
+        conn.close()
+        return
+    conn.send(("ready", core.info))
+    try:
+        while True:
+            if not core.has_unfinished_requests():
+                if not _handle(core, conn.recv()):  # idle: wait for work
+                    return
+            while conn.poll():
+                if not _handle(core, conn.recv()):
+                    return
+            conn.send(_step(core) if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats()))
+    except (EOFError, OSError):  # the frontend is gone: so is the core
+        return
+    finally:
+        conn.close()
+
+
+def _handle(core: EngineCore, message) -> bool:
+    kind = message[0]
+    if kind == "add":
+        core.add_request(message[1])
+    elif kind == "abort":
+        core.abort(message[1], message[2])
+    elif kind == "shutdown":
+        return False
+    return True
+
+
+def _step(core: EngineCore) -> EngineCoreOutputs:
+    try:
+        return core.step()
+    except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
+        ids = list(core.requests)
+        for rid in ids:
+            core.abort(rid)
+        return EngineCoreOutputs([], core.stats(), [(ids, f"{type(e).__name__}: {e}")])
+
+
+def _picklable(e: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":  # the core process: python -m kiln.runtime.core_client FD
+    run_engine_core(Connection(int(sys.argv[1])))

@@ -1,0 +1,262 @@
+"""The engine core: requests of token ids in, one step at a time, new token ids out.
+
+It owns the scheduler, the KV cache manager, the executor (which runs the rank engines) and the
+sampler, and knows nothing of text: tokenizing, detokenizing, stop strings and streaming belong to
+the frontend (kiln/runtime/output_processor.py), which runs beside it in one process or talks to it
+from another (kiln/runtime/core_client.py). A request ends here by EOS, a stop token id or its
+length, or when the frontend aborts it (an abort, or a stop string the frontend found).
+"""
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.runtime.executor import UniprocExecutor
+from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.model_runner import plan_step
+from kiln.runtime.sampler import SampleRow, Sampler, compute_prompt_logprobs, make_generator
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.sequence import Request, Sequence
+from kiln.runtime.threads import configure_threads
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the frontend sends it: validated, tokenized, its max_tokens bounded."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: tuple[int, ...]
+    arrival_time: float
+
+
+@dataclass
+class SampleDelta:
+    """What one sample of a request did this step."""
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None  # "stop" (EOS, a stop token id), "length", "abort"
+    stop_reason: int | None = None  # the stop token id
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    samples: list[SampleDelta]
+    new_prompt_logprobs: list[dict[int, float]] | None
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished: bool
+
+
+@dataclass
+class SchedulerStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    # (request ids, message): a step failed; those requests are gone from the core.
+    errors: list[tuple[list[str], str]] = field(default_factory=list)
+
+
+@dataclass
+class EngineInfo:
+    """What the frontend needs to know of a loaded core to validate and tokenize requests."""
+    build_config: object
+    model_config: object
+    max_batch_size: int
+    max_num_tokens: int
+    num_kv_blocks: int
+    tokens_per_block: int
+    scheduler_policy: str
+    enable_chunked_prefill: bool
+    threads: int
+
+
+class EngineCore:
+    def __init__(self, engine_dir, *, scheduler_policy: str = "max_utilization",
+                 enable_chunked_prefill: bool = True, max_batch_size: int | None = None,
+                 max_num_tokens: int | None = None, kv_cache_free_mem_fraction: float | None = None,
+                 max_tokens_in_paged_kv_cache: int | None = None, threads: int | None = None):
+        threads = configure_threads(threads)
+        self.executor = UniprocExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
+        build = self.executor.config.build_config
+        self.build_config = build
+        max_batch_size = _bounded("max_batch_size", max_batch_size, build.max_batch_size)
+        self.kv = KVCacheManager(self.executor.num_blocks, build.tokens_per_block, max_batch_size,
+                                 build.max_blocks_per_seq)
+        self.scheduler = Scheduler(self.kv, max_batch_size, _bounded("max_num_tokens", max_num_tokens,
+                                                                     build.max_num_tokens),
+                                   build.max_seq_len, scheduler_policy, enable_chunked_prefill)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.info = EngineInfo(build, self.executor.config.pretrained_config, self.scheduler.max_batch_size,
+                               self.scheduler.max_num_tokens, self.executor.num_blocks, build.tokens_per_block,
+                               scheduler_policy, enable_chunked_prefill, threads)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, r: EngineCoreRequest) -> None:
+        # The frontend only reuses an id it has finished (a stop string) that the core still runs.
+        self.abort(r.request_id)
+        req = Request(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids,
+                      arrival_time=r.arrival_time, forked=r.params.n == 1)
+        if r.params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        req.sequences.append(self._new_sequence(req, 0, list(r.prompt_token_ids)))
+        self.requests[r.request_id] = req
+        self.scheduler.add(req)
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        seed = req.params.seed
+        return Sequence(req, index, token_ids, generator=None if seed is None else make_generator(seed + index))
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """End the request, or only its sample `index` (a stop string the frontend found, which it
+        can only have seen after the fork made the samples); their blocks go back to the pool.
+        Unknown or finished ids are ignored."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.sequences:
+            if (index is None or seq.index == index) and not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        if index is None:
+            req.forked = True
+        if req.finished:
+            del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        running = {s.request.request_id for s in self.scheduler.running}
+        waiting = {s.request.request_id for s in self.scheduler.waiting} - running
+        pool = self.kv.pool
+        return SchedulerStats(len(running), len(waiting), pool.num_blocks, pool.num_free, pool.usage,
+                              self.scheduler.num_preemptions)
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running:
+                seq = self.scheduler.waiting[0]
+                raise RuntimeError(f"request {seq.request.request_id} cannot be scheduled: the KV cache "
+                                   f"({self.kv.pool.num_blocks} blocks) cannot hold it")
+            return EngineCoreOutputs([], self.stats())
+        now = time.monotonic()
+        plan = plan_step(out, self.build_config.tokens_per_block, self.kv.block_tables)
+        logits = self.executor.execute(plan.inputs)
+        touched: dict[str, tuple[Request, EngineCoreOutput]] = {}
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            req = seq.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self._output(touched, req)
+        for seq, first, rows in plan.prompt_rows:
+            req = seq.request
+            targets = req.prompt_token_ids[first:first + len(rows)]
+            new = compute_prompt_logprobs(logits[rows], targets, req.params.prompt_logprobs)
+            req.prompt_logprobs.extend(new)
+            self._output(touched, req).new_prompt_logprobs = new
+        self._sample(plan.sample, logits, touched)
+        for req, o in touched.values():
+            o.finished, o.first_token_time = req.finished, req.first_token_time
+        return EngineCoreOutputs([o for _, o in touched.values()], self.stats())
+
+    @staticmethod
+    def _output(touched: dict, req: Request) -> EngineCoreOutput:
+        if req.request_id not in touched:
+            touched[req.request_id] = req, EngineCoreOutput(req.request_id, [], None, req.first_scheduled_time,
+                                                            None, False)
+        return touched[req.request_id][1]
+
+    def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor, touched: dict) -> None:
+        seqs, rows, copies = [], [], []
+        for seq, row in to_sample:
+            req = seq.request
+            if not req.forked:
+                copies.extend(self._fork(seq))
+                for s in req.sequences:
+                    seqs.append(s)
+                    rows.append(row)
+            else:
+                seqs.append(seq)
+                rows.append(row)
+        self.executor.copy_blocks(copies)
+        if not seqs:
+            return
+        # Every row in order (the common decode step): no gather copy of [rows, vocab] logits.
+        picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
+        result = self.sampler(picked, [SampleRow(s.request.params, s.request.prompt_token_ids, s.output_token_ids,
+                                                 s.generator, s.request.eos_token_ids) for s in seqs])
+        now = time.monotonic()
+        for i, (seq, token) in enumerate(zip(seqs, result.token_ids)):
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            seq.token_ids.append(token)
+            lp = result.logprobs[i] if req.params.logprobs is not None else None
+            sample = SampleDelta(seq.index, [token], None if lp is None else [lp])
+            self._check_stop(seq, token, sample)
+            self._output(touched, req).samples.append(sample)
+            if seq.finished and req.finished:
+                req.finished_time = now
+                self.requests.pop(req.request_id, None)
+
+    def _fork(self, parent: Sequence) -> list[tuple[int, int]]:
+        """The prompt is computed: make the request's other n - 1 samples, sharing its KV blocks."""
+        req = parent.request
+        copies = []
+        # guaranteed_no_evict: each sample takes its own share of the request's reservation.
+        per_child = self.kv.request_blocks(req.num_prompt_tokens, req.max_len, req.params.n)[1] \
+            if parent.reserved_blocks else 0
+        children = []
+        for index in range(1, req.params.n):
+            child = self._new_sequence(req, index, list(parent.token_ids))
+            child.num_computed_tokens = parent.num_computed_tokens
+            if per_child:
+                parent.reserved_blocks -= per_child
+                child.reserved_blocks = per_child
+            pair = self.kv.fork(parent, child)
+            if pair:
+                copies.append(pair)
+            children.append(child)
+        req.sequences.extend(children)
+        self.scheduler.add_forked(children)
+        req.forked = True
+        return copies
+
+    def _check_stop(self, seq: Sequence, token: int, sample: SampleDelta) -> None:
+        req, params = seq.request, seq.request.params
+        # Before min_tokens the sampler masks EOS and the stop token ids, so neither can end it early.
+        if token in req.eos_token_ids and not params.ignore_eos:
+            sample.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            sample.finish_reason, sample.stop_reason = "stop", token
+        elif seq.num_output_tokens >= req.max_tokens or seq.num_tokens >= self.build_config.max_seq_len:
+            sample.finish_reason = "length"
+        if sample.finish_reason is not None:
+            seq.finish_reason = sample.finish_reason
+            self.scheduler.finish(seq)
+
+
+def _bounded(name: str, value: int | None, limit: int) -> int:
+    if value is None:
+        return limit
+    if not 1 <= value <= limit:
+        raise ValueError(f"{name} must be in [1, {limit}] (the engine's build limit), got {value}")
+    return value

@@ -1,0 +1,67 @@
+"""The frontend's side of a new request: its prompt tokenized and every limit of the engine checked,
+so that a request the core receives always fits (the errors name the limit and the value)."""
+import time
+
+from kiln.runtime.engine_core import EngineCoreRequest, EngineInfo
+from kiln.runtime.kv_cache_manager import blocks_for, request_blocks
+from kiln.runtime.output_processor import RequestState
+from kiln.runtime.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, info: EngineInfo, tokenizer, eos_token_ids: tuple[int, ...]):
+        self.info, self.tokenizer, self.eos_token_ids = info, tokenizer, eos_token_ids
+
+    def process(self, request_id: str, prompt, params: SamplingParams | None) -> tuple[EngineCoreRequest,
+                                                                                         RequestState]:
+        params = params or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        build, info = self.info.build_config, self.info
+        if not token_ids:
+            raise ValueError("prompt is empty (it has no tokens)")
+        if len(token_ids) > build.max_input_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than the engine's max_input_len "
+                             f"({build.max_input_len})")
+        room = build.max_seq_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ValueError(f"max_tokens ({max_tokens}) + prompt ({len(token_ids)} tokens) exceeds the "
+                             f"engine's max_seq_len ({build.max_seq_len})")
+        if params.n > info.max_batch_size:
+            raise ValueError(f"n ({params.n}) exceeds max_batch_size ({info.max_batch_size})")
+        if not info.enable_chunked_prefill and len(token_ids) > info.max_num_tokens:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_tokens "
+                             f"({info.max_num_tokens}) allows without chunked prefill")
+        tpb = info.tokens_per_block
+        if info.scheduler_policy == "guaranteed_no_evict":
+            need, _ = request_blocks(len(token_ids), len(token_ids) + max_tokens, params.n, tpb)
+        else:  # samples may take turns (preemption), but the fork needs the prompt + n - 1 blocks at once
+            need = max(blocks_for(len(token_ids) + max_tokens, tpb), blocks_for(len(token_ids), tpb) + params.n - 1)
+        if need > info.num_kv_blocks:
+            raise ValueError(f"prompt + max_tokens ({len(token_ids) + max_tokens} tokens, n={params.n}) does not "
+                             f"fit in the KV cache ({info.num_kv_blocks * info.tokens_per_block} tokens)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine runs without one "
+                             "(skip_tokenizer_init): use stop_token_ids")
+        now = time.monotonic()
+        return (EngineCoreRequest(request_id, token_ids, params, max_tokens, self.eos_token_ids, now),
+                RequestState(request_id, text, token_ids, params, now))
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; this engine runs without one "
+                                 "(skip_tokenizer_init): send {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            vocab = self.info.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {type(prompt).__name__}")

@@ -4,8 +4,8 @@ By default it makes a random-weight model of SmolLM-135M's shape (hidden 576, 30
 3 KV heads, intermediate 1536, vocab 49152, tied embeddings), converts and builds it, then measures
   - decode tokens/s at each --batch size (prompts of --input_len tokens, --output_len new tokens),
   - prefill tokens/s of one --prefill_len prompt,
-for Kiln and for HF, and prints the ratios. Prompts are random token ids of equal length, so HF's
-batched generate needs no padding.
+for Kiln and for HF, and prints the ratios; and how long loading the engine took, and what it wrote.
+Prompts are random token ids of equal length, so HF's batched generate needs no padding.
 
   python benchmarks/throughput.py --batch 1 16 --output_len 128 --json out.json
 """
@@ -42,6 +42,14 @@ def make_model(out: Path, dtype: torch.dtype) -> Path:
     tok.decoder = decoders.WordPiece(prefix="##")
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t0").save_pretrained(out)
     return out
+
+
+def bytes_written() -> int | None:
+    """What this process has written to storage so far (Linux /proc/self/io), else None."""
+    try:
+        return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -212,10 +220,14 @@ def main():
         build_seconds = time.perf_counter() - start
         build_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+    written = bytes_written()
+    start = time.perf_counter()
     llm = LLM(engine_dir)
+    load = {"seconds": time.perf_counter() - start, "mb_written": (bytes_written() - written) / 2**20
+            if written is not None else None}
     vocab = llm.llm_engine.model_config.vocab_size
-    results = {"engine": str(engine_dir), "build_seconds": build_seconds, "threads": torch.get_num_threads(),
-               "decode": {}, "prefill": {}}
+    results = {"engine": str(engine_dir), "build_seconds": build_seconds, "load": load,
+               "threads": torch.get_num_threads(), "decode": {}, "prefill": {}}
     hf = None
     if not args.skip_hf:
         hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
@@ -268,6 +280,10 @@ def main():
         r = results["roofline"]
         print(f"roofline: {r['gb_s']:.1f} GB/s; batch-{min(args.batch)} decode moves {r['batch1_gb_s']:.1f} GB/s "
               f"= {r['batch1_gb_s'] / r['gb_s']:.0%}")
+    ranks_mb = sum(f.stat().st_size for f in engine_dir.glob("rank*.engine")) / 2**20
+    written = f", {load['mb_written']:.0f} MB written" if load["mb_written"] is not None else ""
+    print(f"engine load (until the first request can run): {load['seconds']:.1f}s{written}, "
+          f"for {ranks_mb:.0f} MB of rank engines")
     if build_seconds is not None:
         autotune = llm.llm_engine.build_config.max_autotune
         size = sum(f.stat().st_size for f in engine_dir.iterdir()) / 2**20

@@ -47,7 +47,7 @@ def serve_option_names() -> set[str]:
 
 def dockerfile() -> dict[str, str]:
     text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
-    return {m.group(1): m.group(2) for m in re.finditer(r"^(ENTRYPOINT|CMD|EXPOSE|HEALTHCHECK|STOPSIGNAL) (.*)$",
+    return {m.group(1): m.group(2) for m in re.finditer(r"^(ENTRYPOINT|CMD|ENV|EXPOSE|HEALTHCHECK|STOPSIGNAL) (.*)$",
                                                           text, re.M)}
 
 
@@ -102,6 +102,20 @@ def test_grace_period_covers_the_drain(pod, container):
     env = {e["name"] for e in container.get("env", [])}
     api_key = next(p for p in serve.params if p.name == "api_key")
     assert api_key.envvar in env
+
+
+def test_engines_unpack_into_a_bounded_emptydir(pod, container, monkeypatch):
+    """The server unpacks its engine under $KILN_CACHE_DIR/extracted (kiln/runtime/extraction.py):
+    the pod mounts an emptyDir with a size limit exactly there, not over the image's cache root,
+    which holds the C++ plugin library built into the image."""
+    from kiln.runtime import extraction
+
+    cache_root = re.search(r"\bKILN_CACHE_DIR=(\S+)", dockerfile()["ENV"]).group(1)
+    monkeypatch.setenv("KILN_CACHE_DIR", cache_root)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert cache_root not in mounts
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mounts[str(extraction.area())])
+    assert volume["emptyDir"]["sizeLimit"]
 
 
 def test_service_targets_the_container(manifests, pod, container):

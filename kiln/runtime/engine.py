@@ -8,6 +8,7 @@ from kiln.build import backends
 from kiln.build.export import kv_cache_dtype
 from kiln.config import ConfigError, EngineConfig
 from kiln.models.llama import STEP_INPUTS
+from kiln.runtime import extraction
 
 
 class Engine:
@@ -22,8 +23,9 @@ class Engine:
         if not path.is_file():
             raise ConfigError(f"{path} not found: the engine dir is incomplete; rebuild it with `engine-build`")
         try:
-            self.model = backends.load(build.backend, path)
-        except ImportError:  # a broken install, not a broken engine file
+            self.model = (extraction.load_aoti(path) if build.backend == "aoti"
+                          else backends.load(build.backend, path))
+        except (ImportError, extraction.UnpackError):  # a broken install or a full disk, not a broken engine file
             raise
         except Exception as e:  # a truncated/corrupt file surfaces as zipfile/torch errors
             reason = (str(e).strip().splitlines() or [""])[0]

@@ -9,9 +9,11 @@ import json
 import logging
 import secrets
 import threading
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import psutil
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -65,11 +67,14 @@ class ServerState:
         from kiln.runtime.llm_engine import load_tokenizer
 
         c = self.config
+        start = time.monotonic()
         try:
             llm = AsyncLLM(c.engine_dir, on_dead=self._engine_died, **c.engine_args)
             tokenizer = load_tokenizer(c.engine_dir)  # the server's own: tokenizers are not shared across threads
             self.serving = Serving(llm, tokenizer, c.served_model_names, self.metrics, c.chat_template)
-            log.info("engine %s loaded: serving it as %s", c.engine_dir, ", ".join(c.served_model_names))
+            log.info("engine %s loaded in %.1fs (ready %.1fs after the process started): serving it as %s",
+                     c.engine_dir, time.monotonic() - start, time.time() - psutil.Process().create_time(),
+                     ", ".join(c.served_model_names))
         except BaseException as e:  # noqa: BLE001 - reported, then the server stops
             self.load_error = e
             log.error("failed to load the engine from %s: %s", c.engine_dir, e)

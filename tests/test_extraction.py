@@ -73,7 +73,10 @@ class Server:
                 raise RuntimeError(f"kiln serve exited with {self.proc.returncode}:\n{self.log.read_text()}")
             try:
                 if self.http.get("/health", timeout=2).status_code == 200:
-                    self.folder = process_folder(area(self.env), self.proc.pid)
+                    # the engine runs in the server's engine-core process
+                    (self.core,) = [c for c in psutil.Process(self.proc.pid).children()
+                                    if "kiln.runtime.core_client" in c.cmdline()]
+                    self.folder = process_folder(area(self.env), self.core.pid)
                     return self
             except httpx.TransportError:
                 pass
@@ -87,9 +90,17 @@ class Server:
         return r.json()["choices"][0]["text"]
 
     def stop(self, sig=signal.SIGTERM) -> int:
+        if sig == signal.SIGKILL:  # the whole pod at once: the engine core too, so that it cannot clean up
+            self.kill_core()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout=60)
+
+    def kill_core(self) -> None:
+        core = getattr(self, "core", None)
+        if core is not None and core.is_running():
+            core.kill()
+            core.wait(60)
 
 
 def process_folder(root: Path, pid: int) -> Path:
@@ -138,8 +149,10 @@ def test_restarts_by_sigterm_and_sigkill_leave_no_extraction_behind(engine_dir, 
         servers = start_all(engine_dir, env, tmp_path / f"batch{batch}", n)
         try:
             for s in servers:
-                assert_runs_from_its_own_unpack(s.proc.pid, s.folder, package, env)
+                assert_runs_from_its_own_unpack(s.core.pid, s.folder, package, env)
             for s in servers:
+                if sig == signal.SIGKILL:
+                    s.kill_core()
                 s.proc.send_signal(sig)
             for s in servers:
                 code = s.proc.wait(timeout=60)
@@ -157,9 +170,9 @@ def test_restarts_by_sigterm_and_sigkill_leave_no_extraction_behind(engine_dir, 
     (last,) = start_all(engine_dir, env, tmp_path, 1)
     try:
         assert list(area(env).iterdir()) == [last.folder]  # the killed servers' folders were swept
-        assert_runs_from_its_own_unpack(last.proc.pid, last.folder, package, env)
+        assert_runs_from_its_own_unpack(last.core.pid, last.folder, package, env)
         last.complete()
-        assert_runs_from_its_own_unpack(last.proc.pid, last.folder, package, env)
+        assert_runs_from_its_own_unpack(last.core.pid, last.folder, package, env)
         assert "loaded in" in last.log.read_text()
         assert last.stop() == 0
     finally:
@@ -200,7 +213,7 @@ def test_two_servers_on_one_engine_dir_keep_their_own_extractions(engine_dir, en
         assert sorted(area(env).iterdir()) == sorted([a.folder, b.folder, elsewhere])
         assert files(a.folder) == a_files  # the same files: not rewritten, not replaced
         for s in (a, b):
-            assert_runs_from_its_own_unpack(s.proc.pid, s.folder, package, env)
+            assert_runs_from_its_own_unpack(s.core.pid, s.folder, package, env)
         assert a.complete() == b.complete()
 
         assert b.stop() == 0

@@ -198,4 +198,9 @@ def _picklable(e: BaseException) -> BaseException:
 
 
 if __name__ == "__main__":  # the core process: python -m kiln.runtime.core_client FD
+    import signal
+
+    # Ctrl+C reaches the whole process group; the frontend handles it (a server drains first, then
+    # shuts the core down) and the core ends when its pipe does.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     run_engine_core(Connection(int(sys.argv[1])))

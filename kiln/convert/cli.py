@@ -37,7 +37,8 @@ def convert_checkpoint(
     # torch/safetensors are imported here, not at module level, so `--help` stays fast.
     from tqdm import tqdm
 
-    from kiln.convert.hf import HFWeights, pretrained_config_from_hf, read_hf_config
+    from kiln.convert.hf import HFWeights
+    from kiln.convert.hf_config import pretrained_config_from_hf, read_hf_config
     from kiln.convert.shard import rank_plan, source_shapes
     from kiln.convert.writer import check_output_dir, write_checkpoint
 

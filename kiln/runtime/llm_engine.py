@@ -17,9 +17,22 @@ from kiln.runtime.threads import configure_threads
 
 
 def load_tokenizer(engine_dir):
+    """The tokenizer engine-build copied into the engine dir; a one-line error if there is none."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(engine_dir))
+    from kiln.config import ConfigError
+    from kiln.convert.writer import TOKENIZER_VOCAB_FILES, has_tokenizer
+
+    fix = ("rebuild it with engine-build --tokenizer_dir <HF model dir>, or load it with "
+           "skip_tokenizer_init=True (kiln serve --skip-tokenizer-init) and send prompt_token_ids")
+    if not has_tokenizer(engine_dir):
+        raise ConfigError(f"engine dir {engine_dir} has no tokenizer (none of "
+                          f"{', '.join(TOKENIZER_VOCAB_FILES)}): {fix}")
+    try:
+        return AutoTokenizer.from_pretrained(str(engine_dir))
+    except Exception as e:  # transformers' own errors say nothing about where the files came from
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"cannot load the tokenizer in engine dir {engine_dir} ({first}): {fix}") from None
 
 
 class LLMEngine:
@@ -27,13 +40,16 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True, max_batch_size: int | None = None,
                  max_num_tokens: int | None = None, kv_cache_free_mem_fraction: float | None = None,
                  max_tokens_in_paged_kv_cache: int | None = None, threads: int | None = None,
-                 tokenizer=None):
+                 tokenizer=None, skip_tokenizer_init: bool = False):
+        """skip_tokenizer_init (vLLM's name): no tokenizer; prompts are token ids, outputs have empty text."""
         self.threads = configure_threads(threads)
         self.engine = Engine(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
         build = self.engine.config.build_config
         self.build_config = build
         self.model_config = self.engine.config.pretrained_config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine_dir)
+        if tokenizer is None and not skip_tokenizer_init:
+            tokenizer = load_tokenizer(engine_dir)
+        self.tokenizer = tokenizer
         self.max_batch_size = _bounded("max_batch_size", max_batch_size, build.max_batch_size)
         self.max_num_tokens = _bounded("max_num_tokens", max_num_tokens, build.max_num_tokens)
         self.kv = KVCacheManager(self.engine.num_blocks, build.tokens_per_block)
@@ -47,7 +63,7 @@ class LLMEngine:
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = self.model_config.eos_token_id
         ids = [ids] if isinstance(ids, int) else list(ids or [])
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return tuple(sorted(set(ids)))
 
@@ -60,6 +76,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine was loaded with "
+                             "skip_tokenizer_init; use stop_token_ids")
         build = self.build_config
         if len(token_ids) > build.max_input_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than the engine's max_input_len "
@@ -92,6 +111,9 @@ class LLMEngine:
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text, but this engine was loaded with skip_tokenizer_init: "
+                                 "send {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]

@@ -55,8 +55,13 @@ def safetensors_files(model_dir: Path) -> tuple[list[Path], dict[str, str]]:
     )
 
 
+# Where a multimodal checkpoint (config.json with a text_config) keeps its text model's
+# `model.*` and `lm_head.*` tensors: transformers 5 and transformers 4.
+TEXT_MODEL_PREFIXES = (("model.language_model.", "lm_head."), ("language_model.model.", "language_model.lm_head."))
+
+
 class HFWeights:
-    """Lazy access to the tensors of a HF model dir; use as a context manager.
+    """Lazy access to the tensors of a HF model dir by their causal-LM names; use as a context manager.
 
     Every file is opened (its header parsed and checked against the file size) up front, so a
     truncated file is reported before anything is written.
@@ -70,6 +75,7 @@ class HFWeights:
         self._stack = ExitStack()
         self._handles: dict[str, Any] = {}  # tensor name -> open file
         self._file_of: dict[str, Path] = {}
+        self._stored: dict[str, str] = {}  # causal-LM name -> the name in the file, where they differ
         try:
             for path in self.files:
                 try:
@@ -82,9 +88,23 @@ class HFWeights:
                 for name in handle.keys():
                     self._handles[name] = handle
                     self._file_of[name] = path
+            self._alias_text_model()
         except BaseException:
             self._stack.close()
             raise
+
+    def _alias_text_model(self) -> None:
+        if "model.embed_tokens.weight" in self._handles:
+            return
+        for model, head in TEXT_MODEL_PREFIXES:
+            if model + "embed_tokens.weight" in self._handles:
+                for stored in list(self._handles):
+                    for prefix, canonical in ((model, "model."), (head, "lm_head.")):
+                        if stored.startswith(prefix):
+                            name = canonical + stored[len(prefix):]
+                            self._stored[name] = stored
+                            self._handles[name], self._file_of[name] = self._handles[stored], self._file_of[stored]
+                return
 
     def __enter__(self) -> "HFWeights":
         return self
@@ -108,7 +128,7 @@ class HFWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self._handles:
             raise CheckpointError(f"tensor {name!r} not found in {self._where(name)}")
-        return tuple(self._handles[name].get_slice(name).get_shape())
+        return tuple(self._handles[name].get_slice(self._stored.get(name, name)).get_shape())
 
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Raise on the first tensor that is missing or whose shape differs from its config's."""
@@ -124,7 +144,7 @@ class HFWeights:
         """Read `name`, or only rows/columns [start, stop) along `dim`, without loading the rest."""
         if name not in self._handles:
             raise CheckpointError(f"tensor {name!r} not found in {self._where(name)}")
-        piece = self._handles[name].get_slice(name)
+        piece = self._handles[name].get_slice(self._stored.get(name, name))
         index = (slice(None),) * dim + (slice(start, stop),)
         try:
             return piece[index]

@@ -17,7 +17,7 @@ Keys read (for the families in FAMILIES; "refused" names the values that are):
 | max_position_embeddings | max_position_embeddings | |
 | hidden_act | silu ("swish" is the same function) | anything else |
 | rms_norm_eps | norm_epsilon | |
-| rope_theta, rope_scaling (4.x); rope_parameters (5.x) | rotary_base, rotary_scaling: default, linear, dynamic, llama3, yarn (factor, original_max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate) | other rope types (longrope, ...), unknown keys of a type, per-layer-type rope that differs between layers, the two schemas disagreeing |
+| rope_theta, rope_scaling (4.x); rope_parameters (5.x) | rotary_base, rotary_scaling: default, linear (factor), dynamic (factor), llama3 (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), yarn (factor, original_max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate) | other rope types (longrope, proportional), unknown keys of a type, per-layer-type rope that differs between layers, the two schemas disagreeing |
 | original_max_position_embeddings (top level) | transformers 5 prefers it for llama3/yarn | a value transformers 4 would not use |
 | partial_rotary_factor (top level or in the rope dict) | | anything but 1.0 |
 | tie_word_embeddings | tie_word_embeddings | |
@@ -113,6 +113,8 @@ ROPE_TYPES = {  # rope type -> the keys it reads besides rope_type/type/rope_the
     "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
              "mscale", "mscale_all_dim", "truncate"},
 }
+# Rope types transformers implements and Kiln refuses (tests fail on a type in neither table).
+REFUSED_ROPE_TYPES = ("longrope", "proportional")
 _ROPE_REQUIRED = {"linear": {"factor"}, "dynamic": {"factor"},
                   "llama3": {"factor", "low_freq_factor", "high_freq_factor"}, "yarn": {"factor"}}
 _ROPE_COMMON = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}

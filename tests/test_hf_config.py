@@ -5,6 +5,7 @@ import dataclasses
 import inspect
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,3 +249,17 @@ def test_refused_keys_are_one_line_errors(family, edit, message):
     text = str(err.value)
     assert text.startswith("m/config.json: ") and "\n" not in text
     assert message in text, text
+
+
+def test_the_declared_transformers_range_is_what_make_test_runs():
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.specifiers import SpecifierSet
+
+    root = Path(__file__).parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    spec = SpecifierSet(next(d for d in deps if d.startswith("transformers"))[len("transformers"):])
+    pins = [line.split("==")[1] for name in ("cpu.txt", "transformers5.txt")
+            for line in (root / "requirements" / name).read_text().splitlines() if line.startswith("transformers==")]
+    assert pins == ["4.57.6", "5.13.1"] and all(v in spec for v in pins)
+    untested = ["4.56.2", "4.57.5", *(f"5.{minor}.0" for minor in range(13)), "5.14.0"]
+    assert [v for v in untested if v in spec] == []

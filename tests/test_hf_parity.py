@@ -71,7 +71,7 @@ def engines(checkpoints, tmp_path_factory):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_both_majors_convert_to_the_same_checkpoint(name, oracles, checkpoints):
     if len(checkpoints) < 2:
-        pytest.skip("needs KILN_TRANSFORMERS5_PYTHON (make test sets it) for the transformers 5 side")
+        pytest.skip("needs both majors: transformers 4 here and KILN_TRANSFORMERS5_PYTHON for 5 (make test's first run)")
     (v4, a), (v5, b) = sorted((v, c[name]) for v, c in checkpoints.items())
     hf4, hf5 = (json.loads((oracles[v][name]["model_dir"] / "config.json").read_text()) for v in (v4, v5))
     assert "rope_theta" in hf4 and "rope_parameters" not in hf4, "transformers 4 writes the 4.x schema"

@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from conftest import TEST_BUILD

@@ -117,7 +117,6 @@ ROPE_TYPES = {  # rope type -> the keys it reads besides rope_type/type/rope_the
 REFUSED_ROPE_TYPES = ("longrope", "proportional")
 _ROPE_REQUIRED = {"linear": {"factor"}, "dynamic": {"factor"},
                   "llama3": {"factor", "low_freq_factor", "high_freq_factor"}, "yarn": {"factor"}}
-_ROPE_COMMON = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:

@@ -33,6 +33,8 @@ def perplexity(llm, texts: list[str], max_len: int) -> PerplexityResult:
         raise ValueError(f"max_len must be in [2, {limit}] (the engine's max_input_len, and max_seq_len - 1 "
                          f"for the token generated with each window), got {max_len}")
     tokenizer = llm.get_tokenizer()
+    if tokenizer is None:
+        raise ValueError("perplexity needs the engine's tokenizer (this LLM was loaded with skip_tokenizer_init)")
     chunks = [w for text in texts for w in windows(tokenizer.encode(text, add_special_tokens=False), max_len)]
     if not chunks:
         raise ValueError("no text to score: every file is empty or a single token")

@@ -233,6 +233,9 @@ REFUSED = [
     ("llama", _set(dtype="float64"), "dtype 'float64' is not supported; pass --dtype with one of float32"),
     ("llama", lambda hf: (hf.pop("dtype", None), hf.update(torch_dtype="int8")), "torch_dtype 'int8' is not supported"),
     ("llama", _set(text_config="llama"), "text_config must be an object, got 'llama'"),
+    ("llama", _set(rms_norm_eps=None), "rms_norm_eps null is not supported; expected a value (absent, HF's "
+     "default for LlamaForCausalLM is 1e-06)"),
+    ("qwen2", _set(rope_theta=None, rope_scaling=None, rope_parameters=None), "rope_theta null is not supported"),
     *[("llama", _set(**{key: value}), f"{key}={value!r} is not supported for LlamaForCausalLM")
       for key, value in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("logits_scaling", 8.0),
                          ("embedding_multiplier", 12.0), ("residual_multiplier", 0.22),

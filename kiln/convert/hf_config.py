@@ -64,6 +64,8 @@ DEFAULTS = {
     "qwen3": dict(_QWEN, head_dim=128, attention_bias=False),
 }
 
+_NOT_NULL = ("hidden_act", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "max_position_embeddings",
+             "max_window_layers")
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 _MAPPED_ALL = {"architectures", "model_type", "text_config", *REQUIRED, "num_key_value_heads", "head_dim",
                "max_position_embeddings", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",
@@ -163,6 +165,11 @@ def _map(hf: dict, dtype: str | None, tp_size: int, pp_size: int) -> PretrainedC
 
     def get(key):
         return hf[key] if key in hf else defaults[key]
+
+    for key in _NOT_NULL:  # HF keeps an explicit null, and then cannot build the model
+        if key in hf and hf[key] is None and key in defaults:
+            raise ConfigError(f"{key} null is not supported; expected a value (absent, HF's default for "
+                              f"{arch} is {defaults[key]!r})")
 
     for key, neutral in FOREIGN.items():
         if hf.get(key, neutral) not in (None, neutral):

@@ -96,7 +96,8 @@ def measure(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kiln.config import Mapping, torch_dtype
-    from kiln.convert.hf import HFWeights, pretrained_config_from_hf, read_hf_config
+    from kiln.convert.hf import HFWeights
+    from kiln.convert.hf_config import pretrained_config_from_hf, read_hf_config
     from kiln.convert.quantize import modelopt as mo
     from kiln.convert.quantize.calib import batches, make_split, read_texts
     from kiln.convert.quantize.formats import FORMATS, linear_prefixes

@@ -27,20 +27,22 @@ cli.add_command(serve_command, "serve")
               help="Text files to score; give the option once per file, or several paths after it.")
 @click.argument("more_files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--max_len", type=int, default=None,
-              help="Window length in tokens (default and upper bound: the engine's max_input_len).")
+              help="Window length in tokens (default and upper bound: the engine's max_input_len, and "
+                   "max_seq_len - 1).")
 @click.option("--threads", type=int, default=None, help=THREADS_HELP)
 def eval_ppl(engine_dir, files, more_files, max_len, threads):
     """Perplexity of text files through the engine (prompt log-probabilities, in windows)."""
     from pathlib import Path
 
     from kiln.runtime.llm import LLM
-    from kiln.runtime.perplexity import perplexity
+    from kiln.runtime.perplexity import max_window, perplexity
 
     try:
         llm = LLM(engine_dir, threads=threads)
-        limit = llm.llm_engine.build_config.max_input_len
+        limit = max_window(llm.llm_engine.build_config)
         if max_len is not None and not 2 <= max_len <= limit:
-            raise ValueError(f"--max_len must be in [2, {limit}] (the engine's max_input_len), got {max_len}")
+            raise ValueError(f"--max_len must be in [2, {limit}] (the engine's max_input_len, and max_seq_len - 1 "
+                             f"for the token generated with each window), got {max_len}")
         texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in (*files, *more_files)]
         result = perplexity(llm, texts, max_len or limit)
     except ValueError as e:

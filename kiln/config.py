@@ -16,7 +16,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3")
+# rotary_scaling.type -> the keys the rotary embedding cannot do without (kiln/models/rope.py).
+ROPE_SCALING_TYPES = {"linear": ("factor",), "dynamic": ("factor",),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                      "yarn": ()}
 
 
 class ConfigError(ValueError):
@@ -113,6 +116,9 @@ class PretrainedConfig:
                     f"rotary_scaling.type {kind!r} is not supported; expected one of "
                     f"{', '.join(ROPE_SCALING_TYPES)}"
                 )
+            missing = [k for k in ROPE_SCALING_TYPES[kind] if self.rotary_scaling.get(k) is None]
+            if missing:
+                raise ConfigError(f"rotary_scaling ({kind}) is missing {', '.join(missing)}")
         tp = self.mapping.tp_size
         if self.num_attention_heads % tp:
             raise ConfigError(

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from kiln.config import ConfigError, PretrainedConfig
 from kiln.convert.cli import convert_checkpoint, main
-from kiln.convert.hf import CheckpointError, pretrained_config_from_hf
+from kiln.convert.hf import CheckpointError
+from kiln.convert.hf_config import pretrained_config_from_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -180,8 +181,8 @@ def test_round_trip(hf_dirs, tmp_path, kind, tp, pp):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["mapping"] == {"world_size": tp * pp, "tp_size": tp, "pp_size": pp}
     for key, value in {**TINY, **EXPECTED[kind]}.items():
-        if key in cfg:
-            assert cfg[key] == value, key
+        assert key in cfg, key
+        assert cfg[key] == value, key
     assert cfg["num_key_value_heads"] == 2 and cfg["norm_epsilon"] == 1e-6
     assert cfg["quantization"]["quant_algo"] is None
     assert PretrainedConfig.load(out).mapping.world_size == tp * pp
@@ -196,7 +197,7 @@ def test_dtype_cast_and_tokenizer_files(hf_dirs, tmp_path):
     want = hf_state(hf_dirs["llama"])["model.embed_tokens.weight"][151:].to(torch.bfloat16)
     assert torch.equal(rank1["transformer.vocab_embedding.weight"][:150], want)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        assert (out / name).is_file(), name
+        assert (out / name).read_bytes() == (hf_dirs["llama"] / name).read_bytes(), name
 
 
 def test_sharded_hf_checkpoint_converts_the_same(hf_dirs, tmp_path):
@@ -253,13 +254,24 @@ def test_rope_scaling_types(scaling, want):
     assert pretrained_config_from_hf(hf).rotary_scaling == want
 
 
-def test_inactive_sliding_window_is_ignored():
-    # Qwen2/Qwen3 hub configs carry a sliding_window that use_sliding_window=false switches off.
-    hf = transformers.Qwen2Config(**TINY, num_attention_heads=4).to_dict()
-    hf.update(architectures=["Qwen2ForCausalLM"], sliding_window=32, use_sliding_window=False)
-    assert pretrained_config_from_hf(hf).attn_bias
-    hf["use_sliding_window"] = True
-    with pytest.raises(ConfigError, match="sliding_window 32 is smaller than max_position_embeddings"):
+def test_sliding_window_where_hf_applies_it():
+    # Qwen2/Qwen3 hub configs carry a sliding_window that only use_sliding_window switches on, and
+    # then only on the layers from max_window_layers on (or those layer_types marks).
+    def qwen2(**kw):
+        cfg = transformers.Qwen2Config(**TINY, num_attention_heads=4, sliding_window=32, **kw)
+        return cfg, dict(cfg.to_dict(), architectures=["Qwen2ForCausalLM"])
+
+    for kw in (dict(use_sliding_window=False), dict(use_sliding_window=True, max_window_layers=3)):
+        cfg, hf = qwen2(**kw)
+        assert "sliding_attention" not in cfg.layer_types
+        assert pretrained_config_from_hf(hf).attn_bias
+    cfg, hf = qwen2(use_sliding_window=True, max_window_layers=1)
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    with pytest.raises(ConfigError, match=r"sliding_window 32 is smaller than max_position_embeddings 256 "
+                                          r"\(on layer\(s\) 1, 2\)"):
+        pretrained_config_from_hf(hf)
+    del hf["layer_types"]  # as a 4.x-era config.json has it: derived from max_window_layers
+    with pytest.raises(ConfigError, match=r"\(on layer\(s\) 1, 2\)"):
         pretrained_config_from_hf(hf)
 
 

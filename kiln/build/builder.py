@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from kiln.build import backends
 from kiln.build.export import export, kv_cache_dtype
-from kiln.convert.writer import copy_tokenizer_files
+from kiln.convert.writer import copy_tokenizer_files, has_tokenizer
 from kiln.config import BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json, torch_dtype, write_json
 from kiln.models.linear import FP8, check_quantization
 from kiln.models.llama import LlamaForCausalLM, checkpoint_tensors
@@ -143,14 +143,17 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
                 backends.COMPILERS[build.backend](program, tmp / f"rank{rank}.engine", build.max_autotune)
                 bar.update(1)
         write_json(tmp / "config.json", EngineConfig(pretrained, build).to_dict())
-        if not copy_tokenizer_files(Path(tokenizer_dir or checkpoint_dir), tmp):
-            log(f"note: no tokenizer files in {tokenizer_dir or checkpoint_dir}; the engine dir has none, so "
-                f"pass a tokenizer to LLM or rebuild with --tokenizer_dir <HF model dir>")
+        tokenizer_from = Path(tokenizer_dir or checkpoint_dir)
+        copy_tokenizer_files(tokenizer_from, tmp)
+        tokenizer = (f"tokenizer from {tokenizer_from}" if has_tokenizer(tmp) else
+                     f"no tokenizer (none in {tokenizer_from}; pass --tokenizer_dir <HF model dir>, or load "
+                     f"the engine with skip_tokenizer_init and send token ids)")
         replace_dir(tmp, output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     size = sum(f.stat().st_size for f in output_dir.iterdir()) / 2**20
     log(f"built {build.backend} engine in {time.time() - start:.1f}s: "
-        f"{pretrained.mapping.world_size} rank(s), {size:.1f} MB, peak RSS {peak_rss_mb():.0f} MB -> {output_dir}")
+        f"{pretrained.mapping.world_size} rank(s), {size:.1f} MB, peak RSS {peak_rss_mb():.0f} MB, {tokenizer} "
+        f"-> {output_dir}")
     return output_dir

@@ -37,7 +37,8 @@ def convert_checkpoint(
     # torch/safetensors are imported here, not at module level, so `--help` stays fast.
     from tqdm import tqdm
 
-    from kiln.convert.hf import HFWeights, pretrained_config_from_hf, read_hf_config
+    from kiln.convert.hf import HFWeights
+    from kiln.convert.hf_config import pretrained_config_from_hf, read_hf_config
     from kiln.convert.shard import rank_plan, source_shapes
     from kiln.convert.writer import check_output_dir, write_checkpoint
 
@@ -80,11 +81,25 @@ def peak_rss_mb() -> float:
     return peak / 1e6 if sys.platform == "darwin" else peak * 1024 / 1e6
 
 
-def summary(architecture: str, output_dir: Path, seconds: float) -> str:
+def summary(architecture: str, output_dir: Path, seconds: float, note: str = "") -> str:
     files = sorted(Path(output_dir).glob("rank*.safetensors"))
     size_mb = sum(f.stat().st_size for f in files) / 1e6
     return (f"converted {architecture} in {seconds:.1f}s: {len(files)} rank file(s), "
-            f"{size_mb:.1f} MB, peak RSS {peak_rss_mb():.0f} MB -> {output_dir}")
+            f"{size_mb:.1f} MB, peak RSS {peak_rss_mb():.0f} MB{note} -> {output_dir}")
+
+
+def _quant_note(quant, output_dir: Path) -> str:
+    from kiln.config import read_json
+    from kiln.convert.quantize.formats import FORMATS
+
+    if quant is None or quant.qformat is None:
+        return ""
+    note = f", {quant.qformat}"
+    if FORMATS[quant.qformat].group_wise:
+        group = read_json(output_dir / "config.json")["quantization"]["group_size"]
+        chosen = " (no --group_size: the largest supported dividing every linear's input size)"
+        note += f", group size {group}{chosen if quant.group_size is None else ''}"
+    return note
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -116,8 +131,9 @@ def summary(architecture: str, output_dir: Path, seconds: float) -> str:
                    "model than int4_wo. w4a8_awq always uses lite.")
 @click.option("--kv_cache_dtype", type=click.Choice(KV_CACHE_DTYPES), default=None,
               help="Quantize the KV cache (per-layer scales from calibration); with or without --qformat.")
-@click.option("--group_size", type=int, default=128, show_default=True,
-              help="Inputs per int4 scale (int4_* and w4a8_awq); must divide every linear's input size.")
+@click.option("--group_size", type=int, default=None,
+              help="Inputs per int4 scale (int4_* and w4a8_awq); must divide every linear's input size. "
+                   "Default: the largest of 32, 64, 128, 256 that does (the summary says which).")
 @click.option("--calib_dataset", type=click.Path(path_type=Path), multiple=True,
               help="Calibration text: a text file, a .jsonl file with a \"text\" field per line, or "
                    "a directory of such files (.txt, .py, .md, ...). Repeatable. Windows of it not "
@@ -133,7 +149,7 @@ def summary(architecture: str, output_dir: Path, seconds: float) -> str:
 @click.pass_context
 def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | None,
          tp_size: int, pp_size: int, qformat: str | None, awq_algorithm: str, kv_cache_dtype: str | None,
-         group_size: int, calib_dataset: tuple[Path, ...], calib_size: int, calib_max_seq_len: int,
+         group_size: int | None, calib_dataset: tuple[Path, ...], calib_size: int, calib_max_seq_len: int,
          eval_dataset: tuple[Path, ...], eval_size: int) -> None:
     """Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 model into a TensorRT-LLM-style unified
     checkpoint with tp_size * pp_size rank files, ready for `engine-build`, optionally quantized.
@@ -164,7 +180,7 @@ def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | Non
         ctx.exit(1)
     if quant is not None:
         _echo_report(output_dir)
-    click.echo(summary(arch, output_dir, time.perf_counter() - start))
+    click.echo(summary(arch, output_dir, time.perf_counter() - start, _quant_note(quant, output_dir)))
 
 
 def _echo_report(output_dir: Path) -> None:

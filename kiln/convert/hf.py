@@ -1,4 +1,4 @@
-"""Reading a local Hugging Face model dir: its config.json and its safetensors weights.
+"""Reading a local Hugging Face model dir's safetensors weights (its config.json: hf_config.py).
 
 Weights are read lazily, one tensor (or one rank's slice of a tensor) at a time, so converting
 never holds the whole model in memory. Pickle formats (`pytorch_model.bin`, `.pt`) are refused
@@ -11,13 +11,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from kiln.config import (
-    DTYPES,
-    SUPPORTED_ARCHITECTURES,
-    ConfigError,
-    Mapping,
-    PretrainedConfig,
-)
+from kiln.config import ConfigError
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -26,130 +20,6 @@ PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 
 class CheckpointError(ConfigError):
     """A weights file that cannot be used: missing, corrupt, or not matching its config."""
-
-
-# ---------------------------------------------------------------------------------------------
-# config.json
-
-
-def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ConfigError(f"model dir {model_dir} not found (expected a Hugging Face model directory)")
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path} not found (expected a Hugging Face config.json)")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return hf
-
-
-def _rotary_scaling(hf: dict, where: Path) -> dict | None:
-    scaling = hf.get("rope_scaling")
-    if not scaling:
-        return None
-    if not isinstance(scaling, dict):
-        raise ConfigError(f"{where}: rope_scaling must be an object, got {scaling!r}")
-    # Newer transformers write "rope_type", older ones "type" (and LlamaConfig writes both);
-    # TensorRT-LLM's rotary_scaling uses "type".
-    out = {k: v for k, v in scaling.items() if k not in ("type", "rope_type")}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return None
-    out["type"] = kind
-    return out
-
-
-def _check_sliding_window(hf: dict, where: Path) -> None:
-    # Qwen2/Qwen3 configs carry a sliding_window that is inactive unless use_sliding_window is set;
-    # Mistral has no such switch, so there a window is in effect whenever one is given.
-    if hf.get("use_sliding_window") is False:
-        return
-    window = hf.get("sliding_window")
-    max_pos = hf.get("max_position_embeddings")
-    if window is None or max_pos is None or window >= max_pos:
-        return
-    raise ConfigError(
-        f"{where}: sliding_window {window} is smaller than max_position_embeddings {max_pos}; "
-        f"sliding-window attention is not supported (expected sliding_window null or >= "
-        f"max_position_embeddings)"
-    )
-
-
-def _default_dtype(hf: dict, where: Path) -> str:
-    # transformers >= 4.56 writes "dtype"; older versions "torch_dtype".
-    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    if name not in DTYPES:
-        raise ConfigError(
-            f"{where}: torch_dtype {name!r} is not supported; pass --dtype with one of {', '.join(DTYPES)}"
-        )
-    return name
-
-
-def pretrained_config_from_hf(
-    hf: dict[str, Any],
-    dtype: str | None = None,
-    tp_size: int = 1,
-    pp_size: int = 1,
-    where: Path | str = "config.json",
-) -> PretrainedConfig:
-    """Map a Hugging Face config.json dict onto Kiln's (TensorRT-LLM's) checkpoint config."""
-    where = Path(where)
-    archs = hf.get("architectures") or []
-    arch = archs[0] if archs else hf.get("model_type", "<none>")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(
-            f"{where}: architecture {arch!r} is not supported; expected one of "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise ConfigError(
-            f"{where}: pre-quantized HF checkpoints ({method}) are not supported; convert the "
-            f"unquantized model"
-        )
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "vocab_size", "max_position_embeddings")
-    missing = [k for k in required if hf.get(k) is None]
-    if missing:
-        raise ConfigError(f"{where} is missing field(s): {', '.join(missing)}")
-    # Qwen2 always has q/k/v biases (and none on o_proj), which is what attn_bias means here.
-    # Elsewhere attention_bias/mlp_bias also put biases on o_proj or the MLP, which we do not model.
-    attn_bias = arch == "Qwen2ForCausalLM"
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key) and not (arch == "Qwen2ForCausalLM" and key == "attention_bias"):
-            raise ConfigError(f"{where}: {key}=true is not supported for {arch}")
-    _check_sliding_window(hf, where)
-
-    heads = hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or heads
-    return PretrainedConfig(
-        architecture=arch,
-        dtype=dtype or _default_dtype(hf, where),
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_hidden_layers=hf["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        # Qwen3 (and some Mistral) decouple head_dim from hidden_size / heads.
-        head_size=hf.get("head_dim") or hf["hidden_size"] // heads,
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
-        hidden_act=hf.get("hidden_act", "silu"),
-        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        rotary_base=float(hf.get("rope_theta", 10000.0)),
-        rotary_scaling=_rotary_scaling(hf, where),
-        attn_bias=attn_bias,
-        qk_layernorm=arch == "Qwen3ForCausalLM",
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
-        mapping=Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size),
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,8 +55,13 @@ def safetensors_files(model_dir: Path) -> tuple[list[Path], dict[str, str]]:
     )
 
 
+# Where a multimodal checkpoint (config.json with a text_config) keeps its text model's
+# `model.*` and `lm_head.*` tensors: transformers 5 and transformers 4.
+TEXT_MODEL_PREFIXES = (("model.language_model.", "lm_head."), ("language_model.model.", "language_model.lm_head."))
+
+
 class HFWeights:
-    """Lazy access to the tensors of a HF model dir; use as a context manager.
+    """Lazy access to the tensors of a HF model dir by their causal-LM names; use as a context manager.
 
     Every file is opened (its header parsed and checked against the file size) up front, so a
     truncated file is reported before anything is written.
@@ -200,6 +75,7 @@ class HFWeights:
         self._stack = ExitStack()
         self._handles: dict[str, Any] = {}  # tensor name -> open file
         self._file_of: dict[str, Path] = {}
+        self._stored: dict[str, str] = {}  # causal-LM name -> the name in the file, where they differ
         try:
             for path in self.files:
                 try:
@@ -212,9 +88,23 @@ class HFWeights:
                 for name in handle.keys():
                     self._handles[name] = handle
                     self._file_of[name] = path
+            self._alias_text_model()
         except BaseException:
             self._stack.close()
             raise
+
+    def _alias_text_model(self) -> None:
+        if "model.embed_tokens.weight" in self._handles:
+            return
+        for model, head in TEXT_MODEL_PREFIXES:
+            if model + "embed_tokens.weight" in self._handles:
+                for stored in list(self._handles):
+                    for prefix, canonical in ((model, "model."), (head, "lm_head.")):
+                        if stored.startswith(prefix):
+                            name = canonical + stored[len(prefix):]
+                            self._stored[name] = stored
+                            self._handles[name], self._file_of[name] = self._handles[stored], self._file_of[stored]
+                return
 
     def __enter__(self) -> "HFWeights":
         return self
@@ -238,7 +128,7 @@ class HFWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self._handles:
             raise CheckpointError(f"tensor {name!r} not found in {self._where(name)}")
-        return tuple(self._handles[name].get_slice(name).get_shape())
+        return tuple(self._handles[name].get_slice(self._stored.get(name, name)).get_shape())
 
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Raise on the first tensor that is missing or whose shape differs from its config's."""
@@ -254,7 +144,7 @@ class HFWeights:
         """Read `name`, or only rows/columns [start, stop) along `dim`, without loading the rest."""
         if name not in self._handles:
             raise CheckpointError(f"tensor {name!r} not found in {self._where(name)}")
-        piece = self._handles[name].get_slice(name)
+        piece = self._handles[name].get_slice(self._stored.get(name, name))
         index = (slice(None),) * dim + (slice(start, stop),)
         try:
             return piece[index]

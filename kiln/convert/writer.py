@@ -31,6 +31,14 @@ TOKENIZER_FILES = (
 )
 
 
+# Any of these makes a tokenizer AutoTokenizer can load (the rest of TOKENIZER_FILES configure it).
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / name).is_file() for name in TOKENIZER_VOCAB_FILES)
+
+
 def rank_file(rank: int) -> str:
     return f"rank{rank}.safetensors"
 

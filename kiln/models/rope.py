@@ -1,4 +1,4 @@
-"""Rotary position embedding frequencies, with HF's scaling types (linear, dynamic NTK, llama3)."""
+"""Rotary position embedding frequencies, with HF's scaling types (linear, dynamic NTK, llama3, YaRN)."""
 import math
 
 import torch
@@ -15,7 +15,17 @@ def inv_freq(config: PretrainedConfig) -> torch.Tensor:
         freq = freq / scaling["factor"]
     elif kind == "llama3":
         freq = _llama3(freq, scaling)
+    elif kind == "yarn":
+        freq = _yarn(config, scaling)
     return freq
+
+
+def attention_factor(config: PretrainedConfig) -> float:
+    """What cos and sin are multiplied by (so q.k by its square): YaRN's mscale, else 1."""
+    scaling = config.rotary_scaling or {}
+    if scaling.get("type") != "yarn":
+        return 1.0
+    return yarn_parameters(config, scaling)["attention_factor"]
 
 
 def _llama3(freq, scaling):
@@ -30,9 +40,48 @@ def _llama3(freq, scaling):
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_parameters(config: PretrainedConfig, scaling: dict) -> dict:
+    """HF's YaRN defaults for what a rotary_scaling dict leaves out (convert_checkpoint writes them
+    all; a ModelOpt export carries HF's rope_scaling as it was)."""
+    original = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    truncate = scaling.get("truncate")
+    return dict(factor=factor, original=original, attention_factor=float(attn),
+                beta_fast=scaling.get("beta_fast") or 32, beta_slow=scaling.get("beta_slow") or 1,
+                truncate=True if truncate is None else truncate)
+
+
+def _yarn(config: PretrainedConfig, scaling: dict) -> torch.Tensor:
+    # As transformers' _compute_yarn_parameters, expression for expression (float32 rounding included).
+    p = yarn_parameters(config, scaling)
+    dim, base = config.head_size, config.rotary_base
+
+    def correction_dim(rotations):
+        return (dim * math.log(p["original"] / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(p["beta_fast"]), correction_dim(p["beta_slow"])
+    if p["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    return (1.0 / (p["factor"] * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def cos_sin(config: PretrainedConfig, freq: torch.Tensor, positions: torch.Tensor,
             rope_lens: torch.Tensor | None = None):
-    """cos/sin [T, head_size / 2] for each token.
+    """cos/sin [T, head_size / 2] for each token, times the scaling type's attention factor.
 
     Dynamic NTK scaling (as HF applies it) stretches the base once a sequence runs past
     max_position_embeddings, by how far the forward pass that computes the token reaches:
@@ -48,4 +97,7 @@ def cos_sin(config: PretrainedConfig, freq: torch.Tensor, positions: torch.Tenso
         base = config.rotary_base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim
         angles = pos * (1.0 / base ** exponents[None, :])
-    return angles.cos(), angles.sin()
+    scale = attention_factor(config)
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale

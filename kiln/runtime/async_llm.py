@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 from kiln.runtime.core_client import BackgroundClient, EngineDeadError
 from kiln.runtime.input_processor import InputProcessor
-from kiln.runtime.llm_engine import eos_token_ids, load_tokenizer
+from kiln.runtime.llm_engine import eos_token_ids, frontend_tokenizer
 from kiln.runtime.output_processor import OutputProcessor
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
@@ -24,12 +24,13 @@ class AsyncLLM:
     """Keyword arguments go to the engine core, as for `LLM`; `engine_core="thread"` runs the core's
     loop in a thread of this process instead (one process, for environments that cannot spawn)."""
 
-    def __init__(self, engine_dir, *, engine_core: str = "process", tokenizer=None, on_dead=None, **core_args):
+    def __init__(self, engine_dir, *, engine_core: str = "process", tokenizer=None, skip_tokenizer_init: bool = False,
+                 on_dead=None, **core_args):
         self.on_dead = on_dead  # called (from the reader thread) with the EngineDeadError, once
+        self.tokenizer = frontend_tokenizer(engine_dir, tokenizer, skip_tokenizer_init)
         self.client = BackgroundClient(engine_dir, engine_core, **core_args)
         info = self.client.info
         self.build_config, self.model_config, self.threads = info.build_config, info.model_config, info.threads
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine_dir)
         self.input_processor = InputProcessor(info, self.tokenizer, eos_token_ids(self.model_config, self.tokenizer))
         # The reader thread detokenizes with a tokenizer of its own: a fast tokenizer used by two
         # threads at once can fail ("Already borrowed") while the other one encodes.

@@ -10,9 +10,16 @@ PROMPT_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
+    """tokenizer None (an engine loaded with skip_tokenizer_init): the text stays empty."""
+
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.text = ""
+        self.tokens = []
+        self.prefix_offset = self.read_offset = 0
+        if tokenizer is None:
+            return
         # Looked up once: transformers rebuilds its special-token list on every skip_special_tokens call.
         self.special_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         self.tokens = [t for t in tokenizer.convert_ids_to_tokens(prompt_token_ids[-PROMPT_CONTEXT:],
@@ -20,10 +27,11 @@ class IncrementalDetokenizer:
                        if t is not None]
         self.prefix_offset = max(len(self.tokens) - PROMPT_CONTEXT, 0)
         self.read_offset = len(self.tokens)
-        self.text = ""
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the text it completes (possibly empty)."""
+        if self.tokenizer is None:
+            return ""
         token = self.tokenizer.convert_ids_to_tokens(token_id)
         # None: an id past the tokenizer's vocabulary (a model whose vocab is padded, as Qwen2's is)
         if token_id in self.special_ids or token is None:

@@ -41,8 +41,8 @@ class InputProcessor:
             raise ValueError(f"prompt + max_tokens ({len(token_ids) + max_tokens} tokens, n={params.n}) does not "
                              f"fit in the KV cache ({info.num_kv_blocks * info.tokens_per_block} tokens)")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine runs without one "
-                             "(skip_tokenizer_init): use stop_token_ids")
+            raise ValueError("stop strings need a tokenizer, and this engine was loaded with "
+                             "skip_tokenizer_init; use stop_token_ids")
         now = time.monotonic()
         return (EngineCoreRequest(request_id, token_ids, params, max_tokens, self.eos_token_ids, now),
                 RequestState(request_id, text, token_ids, params, now))
@@ -50,8 +50,8 @@ class InputProcessor:
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; this engine runs without one "
-                                 "(skip_tokenizer_init): send {'prompt_token_ids': [...]}")
+                raise ValueError("prompt is text, but this engine was loaded with skip_tokenizer_init: "
+                                 "send {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]

@@ -15,9 +15,30 @@ from kiln.runtime.sampling_params import SamplingParams
 
 
 def load_tokenizer(engine_dir):
+    """The tokenizer engine-build copied into the engine dir; a one-line error if there is none."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(engine_dir))
+    from kiln.config import ConfigError
+    from kiln.convert.writer import TOKENIZER_VOCAB_FILES, has_tokenizer
+
+    fix = ("rebuild it with engine-build --tokenizer_dir <HF model dir>, or load it with "
+           "skip_tokenizer_init=True (kiln serve --skip-tokenizer-init) and send prompt_token_ids")
+    if not has_tokenizer(engine_dir):
+        raise ConfigError(f"engine dir {engine_dir} has no tokenizer (none of "
+                          f"{', '.join(TOKENIZER_VOCAB_FILES)}): {fix}")
+    try:
+        return AutoTokenizer.from_pretrained(str(engine_dir))
+    except Exception as e:  # transformers' own errors say nothing about where the files came from
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"cannot load the tokenizer in engine dir {engine_dir} ({first}): {fix}") from None
+
+
+def frontend_tokenizer(engine_dir, tokenizer, skip_tokenizer_init: bool):
+    """The tokenizer given, else the engine dir's; None with skip_tokenizer_init (vLLM's name: prompts
+    are token ids, outputs have empty text). Loaded before the engine, so that a missing one fails fast."""
+    if tokenizer is not None or skip_tokenizer_init:
+        return tokenizer
+    return load_tokenizer(engine_dir)
 
 
 def eos_token_ids(model_config, tokenizer) -> tuple[int, ...]:
@@ -39,11 +60,12 @@ class LLMEngine:
     max_batch_size / max_num_tokens (below the build limits), kv_cache_free_mem_fraction,
     max_tokens_in_paged_kv_cache, threads."""
 
-    def __init__(self, engine_dir, *, engine_core: str = "inproc", tokenizer=None, **core_args):
+    def __init__(self, engine_dir, *, engine_core: str = "inproc", tokenizer=None, skip_tokenizer_init: bool = False,
+                 **core_args):
+        self.tokenizer = frontend_tokenizer(engine_dir, tokenizer, skip_tokenizer_init)
         self.client = make_client(engine_dir, engine_core, core_args)
         info = self.client.info
         self.build_config, self.model_config, self.threads = info.build_config, info.model_config, info.threads
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine_dir)
         self.input_processor = InputProcessor(info, self.tokenizer, eos_token_ids(self.model_config, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer, self.build_config.max_seq_len)
         self._ids = itertools.count()

@@ -20,9 +20,21 @@ def windows(token_ids: list[int], max_len: int) -> list[list[int]]:
             if len(token_ids[i:i + max_len]) > 1]
 
 
+def max_window(build) -> int:
+    """The longest window an engine scores: a prompt of max_input_len at most, plus the one token
+    generated with it within max_seq_len."""
+    return min(build.max_input_len, build.max_seq_len - 1)
+
+
 def perplexity(llm, texts: list[str], max_len: int) -> PerplexityResult:
     """Each text is tokenized on its own (no BOS) and scored in windows of max_len tokens."""
+    limit = max_window(llm.llm_engine.build_config)
+    if not 2 <= max_len <= limit:
+        raise ValueError(f"max_len must be in [2, {limit}] (the engine's max_input_len, and max_seq_len - 1 "
+                         f"for the token generated with each window), got {max_len}")
     tokenizer = llm.get_tokenizer()
+    if tokenizer is None:
+        raise ValueError("perplexity needs the engine's tokenizer (this LLM was loaded with skip_tokenizer_init)")
     chunks = [w for text in texts for w in windows(tokenizer.encode(text, add_special_tokens=False), max_len)]
     if not chunks:
         raise ValueError("no text to score: every file is empty or a single token")

@@ -70,7 +70,8 @@ class ServerState:
         start = time.monotonic()
         try:
             llm = AsyncLLM(c.engine_dir, on_dead=self._engine_died, **c.engine_args)
-            tokenizer = load_tokenizer(c.engine_dir)  # the server's own: tokenizers are not shared across threads
+            # the server's own: tokenizers are not shared across threads
+            tokenizer = None if c.engine_args.get("skip_tokenizer_init") else load_tokenizer(c.engine_dir)
             self.serving = Serving(llm, tokenizer, c.served_model_names, self.metrics, c.chat_template)
             log.info("engine %s loaded in %.1fs (ready %.1fs after the process started): serving it as %s",
                      c.engine_dir, time.monotonic() - start, time.time() - psutil.Process().create_time(),
@@ -271,6 +272,7 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
         if req.messages is not None:
             ids = s.chat_prompt(req.messages, req.add_generation_prompt)["prompt_token_ids"]
         else:
+            s.need_tokenizer("/tokenize needs a tokenizer", "prompt")
             ids = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
 
@@ -281,6 +283,7 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
         bad = [t for t in req.tokens if not 0 <= t < s.vocab_size]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {s.vocab_size})", "tokens")
+        s.need_tokenizer("/detokenize needs a tokenizer", "tokens")
         return {"prompt": s.tokenizer.decode(req.tokens)}
 
     return app

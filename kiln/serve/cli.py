@@ -49,6 +49,9 @@ def _both(name: str) -> tuple[str, str]:
               help="Fraction of free memory for the KV cache.")
 @click.option(*_both("max_tokens_in_paged_kv_cache"), type=int, default=None, help="KV cache size in tokens.")
 @click.option("--threads", type=int, default=None, help=THREADS_HELP)
+@click.option(*_both("skip_tokenizer_init"), is_flag=True, default=False,
+              help="Load no tokenizer (for engines built without one): prompts are token ids, completions "
+                   "carry token_ids and empty text.")
 @click.option(*_both("log_level"), type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @click.option("--access_log/--no_access_log", "--access-log/--no-access-log", default=True, show_default=True)

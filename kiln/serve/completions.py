@@ -42,6 +42,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, request: R
         return [finals[i] for i in range(len(prompts))]
 
     outputs = await until_disconnected(request, collect())
+    ids = req.return_token_ids or serving.tokenizer is None
     choices = []
     for i, out in enumerate(outputs):
         prompt_text = _prompt_text(serving, prompts[i]) if req.echo else ""
@@ -53,7 +54,9 @@ async def create_completion(serving: Serving, req: CompletionRequest, request: R
                     tokens, lps = out.prompt_token_ids + tokens, list(out.prompt_logprobs) + lps
                 logprobs = serving.completion_logprobs(tokens, lps, 0)
             choices.append(CompletionChoice(index=i * req.n + c.index, text=prompt_text + c.text, logprobs=logprobs,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_token_ids=list(out.prompt_token_ids) if ids else None,
+                                            token_ids=list(c.token_ids) if ids else None))
     choices.sort(key=lambda c: c.index)
     return JSONResponse(CompletionResponse(**head, choices=choices, usage=usage(outputs)).model_dump())
 
@@ -61,6 +64,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, request: R
 def _prompt_text(serving: Serving, prompt: dict) -> str:
     if prompt["prompt"] is not None:
         return prompt["prompt"]
+    if serving.tokenizer is None:
+        return ""
     return serving.tokenizer.decode(prompt["prompt_token_ids"])
 
 
@@ -68,6 +73,7 @@ async def _stream(serving, req, prompts, params, stream, head):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
     holdback = stop_holdback(params)
+    ids = req.return_token_ids or serving.tokenizer is None
     states: dict[int, ChoiceStream] = {}
     offsets: dict[int, int] = {}
     finals = {}
@@ -82,7 +88,7 @@ async def _stream(serving, req, prompts, params, stream, head):
                     continue  # nothing to say yet (the prompt is still being prefilled)
                 first = not st.started
                 text, tokens, lps = st.advance(c)
-                if not text and c.finish_reason is None and (req.logprobs is None or not tokens):
+                if not text and c.finish_reason is None and not (tokens and (req.logprobs is not None or ids)):
                     continue
                 st.started = True
                 if first and req.echo:
@@ -93,9 +99,11 @@ async def _stream(serving, req, prompts, params, stream, head):
                 if req.logprobs is not None:
                     logprobs = serving.completion_logprobs(tokens, lps, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-                yield sse({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                                "finish_reason": c.finish_reason,
-                                                "stop_reason": c.stop_reason}], **extra})
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                if ids:
+                    choice["token_ids"] = tokens
+                yield sse({**head, "choices": [choice], **extra})
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])})
     except Exception as e:  # the engine failed mid-stream: say so in the stream, then end it

@@ -78,6 +78,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    return_token_ids: bool = False  # vLLM's: each choice carries its token ids (always so without a tokenizer)
 
 
 class TextPart(OpenAIModel):
@@ -144,6 +145,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, as vLLM's
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -66,6 +66,7 @@ class Serving:
 
     def text_prompt(self, prompt: str | list[int]) -> dict:
         if isinstance(prompt, str):
+            self.need_tokenizer("prompt is text", "prompt")
             ids = self.tokenizer.encode(prompt)  # as LLMEngine does for a text prompt
             text = prompt
         else:
@@ -78,8 +79,14 @@ class Serving:
             raise APIError(400, "the prompt is empty (it has no tokens)", "prompt")
         return {"prompt_token_ids": ids, "prompt": text}
 
+    def need_tokenizer(self, what: str, param: str) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, f"{what}, but the server was started with --skip-tokenizer-init (no "
+                           f"tokenizer): send the prompt as token ids to /v1/completions", param)
+
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, kwargs: dict | None = None) -> dict:
+        self.need_tokenizer("chat messages need the tokenizer's chat template", "messages")
         if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "the model's tokenizer has no chat template: use /v1/completions, or "
                            "start `kiln serve` with --chat_template", "messages")
@@ -125,6 +132,8 @@ class Serving:
 
     # -- logprobs ------------------------------------------------------------------------------
     def _token_str(self, token_id: int) -> str:
+        if self.tokenizer is None:  # vLLM's spelling with --return-tokens-as-token-ids
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
     def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None],

@@ -80,6 +80,19 @@ def quant_config(qformat: str | None, kv_cache_dtype: str | None, group_size: in
     )
 
 
+def default_group_size(cfg: PretrainedConfig) -> int:
+    """The largest int4 group size the engine supports that divides every quantized linear's input size."""
+    from kiln.models.linear import INT4_GROUP_SIZES
+
+    inputs = sorted({inp for _, inp in linear_shapes(cfg).values()})
+    fits = [g for g in INT4_GROUP_SIZES if all(i % g == 0 for i in inputs)]
+    if not fits:
+        raise ConfigError(f"no supported group size ({', '.join(map(str, INT4_GROUP_SIZES))}) divides every "
+                          f"linear's input size ({', '.join(map(str, inputs))}); this model cannot be "
+                          f"quantized group-wise")
+    return max(fits)
+
+
 def check_options(cfg: PretrainedConfig, qformat: str | None, kv_cache_dtype: str | None,
                   group_size: int, awq_algorithm: str = DEFAULT_AWQ_ALGORITHM) -> None:
     """Refuse, before any work, what the formats cannot represent for this model."""

@@ -10,10 +10,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from kiln.config import ConfigError, Mapping, PretrainedConfig, torch_dtype
+from kiln.config import ConfigError, Mapping, PretrainedConfig, QuantConfig, torch_dtype
 from kiln.convert.quantize.calib import make_split, read_texts
 from kiln.convert.quantize.formats import (AWQ_ALGORITHMS, DEFAULT_AWQ_ALGORITHM, FORMATS, check_options,
-                                          linear_prefixes, quant_config)
+                                          default_group_size, linear_prefixes, quant_config)
 
 Dataset = str | Path | Sequence[str | Path] | None
 
@@ -22,7 +22,7 @@ Dataset = str | Path | Sequence[str | Path] | None
 class QuantOptions:
     qformat: str | None = None
     kv_cache_dtype: str | None = None
-    group_size: int = 128
+    group_size: int | None = None  # None: formats.default_group_size (int4 formats only)
     calib_dataset: Dataset = None
     calib_size: int = 512
     calib_max_seq_len: int = 512
@@ -48,6 +48,9 @@ class Prepared:
 
 def prepare(cfg: PretrainedConfig, opts: QuantOptions) -> tuple[PretrainedConfig, Prepared]:
     """Check the options and read the datasets: every bad input fails here, before any work."""
+    if opts.group_size is None:
+        group_wise = opts.qformat in FORMATS and FORMATS[opts.qformat].group_wise
+        opts = dataclasses.replace(opts, group_size=default_group_size(cfg) if group_wise else QuantConfig.group_size)
     check_options(cfg, opts.qformat, opts.kv_cache_dtype, opts.group_size, opts.awq_algorithm)
     for name in ("calib_size", "calib_max_seq_len"):
         if getattr(opts, name) < 1:

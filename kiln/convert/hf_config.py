@@ -1,0 +1,375 @@
+"""A Hugging Face config.json -> Kiln's (TensorRT-LLM's) checkpoint config, for transformers 4.x and 5.x.
+
+transformers 4 writes `rope_theta` and `rope_scaling` (older files `torch_dtype`); transformers 5
+writes `rope_parameters: {rope_theta, rope_type, ...}` and `dtype`. Both are read with HF's own
+meaning. Nothing that changes what the model computes is assumed: every key below is either read,
+or refused with a one-line error (key, value, what is supported) when its value is one Kiln does
+not implement. A key that is absent takes the default HF itself uses for that model type (DEFAULTS).
+
+Keys read (for the families in FAMILIES; "refused" names the values that are):
+
+| key | meaning in the checkpoint config | refused |
+|---|---|---|
+| architectures, model_type | architecture (they must agree) | other families |
+| text_config | a nested text model: its keys are read, the outer ones fill in | |
+| vocab_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size | sizes (required) | |
+| num_key_value_heads, head_dim | KV heads, head_size | head_dim null (Qwen3) |
+| max_position_embeddings | max_position_embeddings | |
+| hidden_act | silu ("swish" is the same function) | anything else |
+| rms_norm_eps | norm_epsilon | |
+| rope_theta, rope_scaling (4.x); rope_parameters (5.x) | rotary_base, rotary_scaling: default, linear (factor), dynamic (factor), llama3 (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), yarn (factor, original_max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate) | other rope types (longrope, proportional), unknown keys of a type, per-layer-type rope that differs between layers, the two schemas disagreeing |
+| original_max_position_embeddings (top level) | transformers 5 prefers it for llama3/yarn | a value transformers 4 would not use |
+| partial_rotary_factor (top level or in the rope dict) | | anything but 1.0 |
+| tie_word_embeddings | tie_word_embeddings | |
+| attention_bias (Llama, Qwen3) | | true (a bias on o_proj too); Qwen2's q/k/v bias is implied by its architecture |
+| mlp_bias (Llama) | | true |
+| sliding_window (Mistral); use_sliding_window, max_window_layers, layer_types (Qwen2/Qwen3) | | a window shorter than max_position_embeddings on any layer |
+| dtype, torch_dtype | the default --dtype | dtypes other than float32/bfloat16/float16 |
+| bos_token_id, eos_token_id | stop tokens | |
+| quantization_config | | any (pre-quantized checkpoints) |
+| attn_logit_softcapping, final_logit_softcapping, logits_scaling, embedding_multiplier, residual_multiplier, attention_multiplier, query_pre_attn_scalar, use_mrope | (other families' math; HF's Llama/Mistral/Qwen classes ignore them, so a config that sets them was not made for these) | any value but the neutral one |
+
+IGNORED lists the keys that do not change the forward pass at inference (dropout, initialisation,
+generation defaults, output switches, bookkeeping); tests/test_hf_config.py walks every field of the
+installed transformers' LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config and fails on one that
+is in neither table, so a field added by a new transformers release is a failing test, not a wrong
+answer. Other keys a config.json carries (auto_map, unsloth_version ...) are not read by these
+models in HF either, and are ignored.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from kiln.config import DTYPES, SUPPORTED_ARCHITECTURES, ConfigError, Mapping, PretrainedConfig
+
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}
+ARCH_FAMILY = {arch: family for family, arch in FAMILIES.items()}
+
+# What HF's config classes use when a key is absent (the same in transformers 4.57 and 5.x; tests
+# hold these to the installed classes). None for head_dim / num_key_value_heads: derived from the
+# sizes (hidden_size // num_attention_heads, num_attention_heads).
+_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+               head_dim=None)
+_QWEN = dict(_COMMON, num_key_value_heads=32, max_position_embeddings=32768, sliding_window=4096,
+             use_sliding_window=False, max_window_layers=28)
+DEFAULTS = {
+    "llama": dict(_COMMON, num_key_value_heads=None, max_position_embeddings=2048, attention_bias=False,
+                  mlp_bias=False),
+    "mistral": dict(_COMMON, num_key_value_heads=8, max_position_embeddings=131072, sliding_window=4096),
+    "qwen2": _QWEN,
+    "qwen3": dict(_QWEN, head_dim=128, attention_bias=False),
+}
+
+_NOT_NULL = ("hidden_act", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "max_position_embeddings",
+             "max_window_layers")
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_MAPPED_ALL = {"architectures", "model_type", "text_config", *REQUIRED, "num_key_value_heads", "head_dim",
+               "max_position_embeddings", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",
+               "rope_parameters", "original_max_position_embeddings", "partial_rotary_factor",
+               "tie_word_embeddings", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
+               "quantization_config"}
+MAPPED = {
+    "llama": _MAPPED_ALL | {"attention_bias", "mlp_bias"},
+    "mistral": _MAPPED_ALL | {"sliding_window"},
+    "qwen2": _MAPPED_ALL | {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
+    "qwen3": _MAPPED_ALL | {"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
+                            "layer_types"},
+}
+# Other families' math: refused unless absent or at the value that means "off".
+FOREIGN = {"attn_logit_softcapping": None, "final_logit_softcapping": None, "logits_scaling": 1.0,
+           "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None,
+           "query_pre_attn_scalar": None, "use_mrope": False}
+
+IGNORED = {
+    # training only, or the same numbers another way
+    "attention_dropout", "initializer_range", "pretraining_tp", "pad_token_id", "use_cache",
+    "chunk_size_feed_forward", "pruned_heads", "torchscript", "tie_encoder_decoder", "use_bfloat16",
+    "tf_legacy_loss",
+    # what the forward returns, not what it computes
+    "output_attentions", "output_hidden_states", "return_dict", "output_scores", "return_dict_in_generate",
+    # generation defaults (Kiln's come with each request)
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "decoder_start_token_id", "sep_token_id",
+    # encoder-decoder and task heads, which these causal LMs do not have
+    "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
+    "id2label", "label2id", "problem_type", "finetuning_task",
+    # bookkeeping
+    "_name_or_path", "transformers_version", "tokenizer_class", "prefix", "task_specific_params",
+}
+# Per family: keys HF's class carries that its model code does not read.
+IGNORED_BY_FAMILY = {"llama": set(), "mistral": set(), "qwen2": {"attention_bias"}, "qwen3": set()}
+
+ROPE_TYPES = {  # rope type -> the keys it reads besides rope_type/type/rope_theta/partial_rotary_factor
+    "default": set(),
+    "linear": {"factor"},
+    "dynamic": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "truncate"},
+}
+# Rope types transformers implements and Kiln refuses (tests fail on a type in neither table).
+REFUSED_ROPE_TYPES = ("longrope", "proportional")
+_ROPE_REQUIRED = {"linear": {"factor"}, "dynamic": {"factor"},
+                  "llama3": {"factor", "low_freq_factor", "high_freq_factor"}, "yarn": {"factor"}}
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ConfigError(f"model dir {model_dir} not found (expected a Hugging Face model directory)")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found (expected a Hugging Face config.json)")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return hf
+
+
+def pretrained_config_from_hf(
+    hf: dict[str, Any],
+    dtype: str | None = None,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    where: Path | str = "config.json",
+) -> PretrainedConfig:
+    """Map a Hugging Face config.json dict (either transformers major's layout) onto Kiln's config."""
+    try:
+        return _map(hf, dtype, tp_size, pp_size)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _map(hf: dict, dtype: str | None, tp_size: int, pp_size: int) -> PretrainedConfig:
+    hf, arch = _text_model(hf)
+    family = ARCH_FAMILY[arch]
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise ConfigError(f"pre-quantized HF checkpoints ({method}) are not supported; convert the "
+                          f"unquantized model")
+    missing = [k for k in REQUIRED if hf.get(k) is None]
+    if missing:
+        raise ConfigError(f"missing field(s): {', '.join(missing)}")
+    defaults = DEFAULTS[family]
+
+    def get(key):
+        return hf[key] if key in hf else defaults[key]
+
+    for key in _NOT_NULL:  # HF keeps an explicit null, and then cannot build the model
+        if key in hf and hf[key] is None and key in defaults:
+            raise ConfigError(f"{key} null is not supported; expected a value (absent, HF's default for "
+                              f"{arch} is {defaults[key]!r})")
+
+    for key, neutral in FOREIGN.items():
+        if hf.get(key, neutral) not in (None, neutral):
+            raise ConfigError(f"{key}={hf[key]!r} is not supported for {arch} (HF's {arch} does not "
+                              f"implement it; expected it absent or {neutral!r})")
+    for key in ("attention_bias", "mlp_bias"):
+        if key in defaults and get(key):
+            raise ConfigError(f"{key}={hf[key]!r} is not supported for {arch} (expected false: Kiln "
+                              f"models no bias on o_proj or the MLP)")
+    act = get("hidden_act")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"hidden_act {act!r} is not supported; expected 'silu'")
+
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    kv_heads = get("num_key_value_heads")
+    head_dim = get("head_dim")
+    if head_dim is None:
+        if family == "qwen3":  # HF's Qwen3 has no fallback: the model cannot be built
+            raise ConfigError("head_dim null is not supported for Qwen3ForCausalLM; expected an integer")
+        head_dim = hidden // heads
+    max_pos = get("max_position_embeddings")
+    theta, scaling = _rope(hf, max_pos, get("rope_theta"))
+    _check_sliding_window(hf, family, get, max_pos)
+    return PretrainedConfig(
+        architecture=arch,
+        dtype=dtype or _default_dtype(hf),
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=heads if kv_heads is None else kv_heads,
+        head_size=head_dim,
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=max_pos,
+        hidden_act="silu",
+        norm_epsilon=float(get("rms_norm_eps")),
+        rotary_base=theta,
+        rotary_scaling=scaling,
+        attn_bias=family == "qwen2",  # Qwen2 always has q/k/v biases (and none on o_proj)
+        qk_layernorm=family == "qwen3",
+        tie_word_embeddings=bool(get("tie_word_embeddings")),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        mapping=Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size),
+    )
+
+
+def _text_model(hf: dict) -> tuple[dict, str]:
+    """The dict to read and its architecture. A nested text_config (as multimodal and some
+    transformers 5 configs carry) holds the text model's keys; the outer ones fill in the rest."""
+    text = hf.get("text_config")
+    if text is not None:
+        if not isinstance(text, dict):
+            raise ConfigError(f"text_config must be an object, got {text!r}")
+        outer = hf.get("architectures") or []
+        hf = {**{k: v for k, v in hf.items() if k not in ("text_config", "model_type")}, **text}
+        hf["architectures"] = outer if outer and outer[0] in SUPPORTED_ARCHITECTURES else text.get("architectures")
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    arch = archs[0] if archs else FAMILIES.get(model_type, model_type or "<none>")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"architecture {arch!r} is not supported; expected one of "
+                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    # HF's Auto classes build the model from model_type, not from architectures.
+    if model_type is not None and FAMILIES.get(model_type) != arch:
+        raise ConfigError(f"model_type {model_type!r} does not match architecture {arch} (expected "
+                          f"model_type {ARCH_FAMILY[arch]!r})")
+    return hf, arch
+
+
+def _rope(hf: dict, max_pos: int, default_theta: float) -> tuple[float, dict | None]:
+    """rotary_base and rotary_scaling, as HF computes them from either schema."""
+    legacy, params = hf.get("rope_scaling"), hf.get("rope_parameters")
+    for key, value in (("rope_scaling", legacy), ("rope_parameters", params)):
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{key} must be an object or null, got {value!r}")
+    params = _one_rope_for_all_layers(params, hf.get("layer_types"))
+    if legacy and params and _strip_theta(legacy) != _strip_theta(params):
+        raise ConfigError(f"rope_scaling {legacy} and rope_parameters {params} disagree; expected one of "
+                          f"them (transformers 4 reads rope_scaling, 5 rope_parameters)")
+    rope = dict(legacy or params or {})
+
+    top_theta, dict_theta = hf.get("rope_theta"), rope.pop("rope_theta", None)
+    if top_theta is not None and dict_theta is not None and float(top_theta) != float(dict_theta):
+        raise ConfigError(f"rope_theta {top_theta} and the rope dict's rope_theta {dict_theta} disagree; "
+                          f"expected one value (transformers 4 reads the first, 5 the second)")
+    theta = float(next(t for t in (dict_theta, top_theta, default_theta) if t is not None))
+
+    kinds = {rope.pop(k) for k in ("rope_type", "type") if k in rope}
+    if len(kinds) > 1:
+        raise ConfigError(f"the rope dict's type and rope_type disagree ({', '.join(sorted(kinds))})")
+    kind = kinds.pop() if kinds else "default"
+    for where, factor in (("", hf.get("partial_rotary_factor")), ("the rope dict's ", rope.pop("partial_rotary_factor", None))):
+        if factor is not None and float(factor) != 1.0:
+            raise ConfigError(f"{where}partial_rotary_factor {factor} is not supported; expected 1.0 "
+                              f"(rotary embedding over the whole head)")
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"rope_type {kind!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
+    unknown = sorted(set(rope) - ROPE_TYPES[kind])
+    if unknown:
+        raise ConfigError(f"rope {kind} key(s) {', '.join(unknown)} are not understood; expected only "
+                          f"{', '.join(sorted(ROPE_TYPES[kind])) or 'rope_theta'}")
+    # yarn's factor may be null (transformers 5 then takes the ratio of the context lengths)
+    missing = sorted(k for k in _ROPE_REQUIRED.get(kind, ())
+                     if k not in rope or (rope[k] is None and (kind, k) != ("yarn", "factor")))
+    if missing:
+        raise ConfigError(f"rope {kind} is missing {', '.join(missing)}")
+    if kind == "default":
+        return theta, None
+    if kind in ("llama3", "yarn"):
+        rope["original_max_position_embeddings"] = _original_max_pos(hf, rope, kind, max_pos)
+    if kind == "yarn":
+        rope = _yarn(rope, max_pos)
+    return theta, {"type": kind, **rope}
+
+
+def _one_rope_for_all_layers(params: dict | None, layer_types: list | None) -> dict | None:
+    # transformers 5 may key rope_parameters by layer type ({"full_attention": {...}, ...}).
+    if not params or not layer_types or not set(params) <= set(layer_types):
+        return params
+    distinct = {json.dumps(params[t], sort_keys=True) for t in set(layer_types)}
+    if len(distinct) > 1:
+        raise ConfigError(f"rope_parameters differ between layer types ({', '.join(sorted(params))}); "
+                          f"expected one rotary embedding for every layer")
+    return params[layer_types[0]]
+
+
+def _strip_theta(rope: dict) -> dict:
+    out = {k: v for k, v in rope.items() if k not in ("rope_theta", "type", "rope_type")}
+    out["type"] = rope.get("rope_type", rope.get("type", "default"))
+    return out
+
+
+def _original_max_pos(hf: dict, rope: dict, kind: str, max_pos: int) -> int:
+    # transformers 5 takes a top-level original_max_position_embeddings over the rope dict's;
+    # transformers 4 reads only the rope dict's (yarn: else max_position_embeddings).
+    top, inner = hf.get("original_max_position_embeddings"), rope.get("original_max_position_embeddings")
+    v5 = next((v for v in (top, inner) if v is not None), max_pos)
+    v4 = inner if inner is not None else (max_pos if kind == "yarn" else v5)
+    if v4 != v5:
+        raise ConfigError(f"original_max_position_embeddings is {top} at the top level but "
+                          f"{inner if inner is not None else f'absent (so {max_pos})'} in the rope dict; "
+                          f"expected them equal (transformers 4 and 5 read different ones)")
+    return int(v5)
+
+
+def _yarn(rope: dict, max_pos: int) -> dict:
+    """HF's YaRN parameters with every default filled in, so the checkpoint says what it computes."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor")
+    if factor is None:  # DeepSeek-style: the ratio of the context lengths (transformers 5)
+        factor = max_pos / original
+    factor = float(factor)
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    truncate = rope.get("truncate", True)
+    return {"factor": factor, "original_max_position_embeddings": original,
+            "beta_fast": float(rope.get("beta_fast") or 32), "beta_slow": float(rope.get("beta_slow") or 1),
+            "truncate": True if truncate is None else bool(truncate),
+            "attention_factor": float(attention_factor)}
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _check_sliding_window(hf: dict, family: str, get, max_pos: int) -> None:
+    """Refuse a sliding window that any layer would feel; HF's Llama has none."""
+    if family == "llama":
+        return
+    window = get("sliding_window")
+    if family == "mistral":  # no switch: a window is in effect whenever one is given
+        sliding = list(range(hf["num_hidden_layers"])) if window is not None else []
+    else:  # Qwen2/Qwen3: only with use_sliding_window, on the layers layer_types marks
+        if not get("use_sliding_window"):
+            window = None
+        n = hf["num_hidden_layers"]
+        types = hf.get("layer_types") or [
+            "sliding_attention" if window is not None and i >= get("max_window_layers") else "full_attention"
+            for i in range(n)]
+        if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
+            raise ConfigError(f"layer_types {types} is not supported; expected {n} entries of "
+                              f"'full_attention' or 'sliding_attention'")
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"] if window is not None else []
+    if sliding and window < max_pos:
+        raise ConfigError(
+            f"sliding_window {window} is smaller than max_position_embeddings {max_pos} (on layer(s) "
+            f"{', '.join(map(str, sliding))}); sliding-window attention is not supported (expected "
+            f"sliding_window null or >= max_position_embeddings)")
+
+
+def _default_dtype(hf: dict) -> str:
+    # transformers >= 4.56 writes "dtype"; older versions "torch_dtype".
+    key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
+    name = hf.get(key) or "float32"
+    if name not in DTYPES:
+        raise ConfigError(f"{key} {name!r} is not supported; pass --dtype with one of {', '.join(DTYPES)}")
+    return name

@@ -1,0 +1,150 @@
+"""Tiny random-weight models made from real published config.json files, saved by the installed
+transformers, and HF's greedy answers for them: the oracle of tests/test_hf_parity.py.
+
+Only the sizes are shrunk (and bos/eos ids dropped or moved into the tiny vocabulary); every key that changes
+the math (rope base and scaling, norm epsilon, ties, biases, head_dim, sliding-window switches)
+is the published one. Weights are drawn per parameter name, independently of transformers'
+initialisation, so both transformers majors save the same numbers; their std (0.15, far above
+HF's init) keeps greedy paths from collapsing into repeats that would hide a wrong rotary base.
+
+Also a script, so that another venv's transformers (the 5.x one `make test` creates) saves the
+same models and answers for them:
+
+    python tests/published_models.py OUT_DIR
+"""
+import json
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+
+NEW_TOKENS = 24
+PROMPT_LENGTHS = (3, 8, 13, 21, 34)
+STD = 0.15
+
+_LLAMA_3_2_1B = {  # meta-llama/Llama-3.2-1B
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256}
+_QWEN2_5_0_5B = {  # Qwen/Qwen2.5-0.5B
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+    "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
+    "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+    "vocab_size": 151936}
+_QWEN3_0_6B = {  # Qwen/Qwen3-0.6B
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+    "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960,
+    "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+_MISTRAL_7B_V0_3 = {  # mistralai/Mistral-7B-v0.3
+    "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 32768}
+_QWEN2_5_7B_INSTRUCT_YARN = {  # Qwen/Qwen2.5-7B-Instruct, with the rope_scaling its README adds for 128K
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2",
+    "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+    "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
+
+PUBLISHED = {"llama3.2": _LLAMA_3_2_1B, "qwen2.5": _QWEN2_5_0_5B, "qwen3": _QWEN3_0_6B,
+             "mistral": _MISTRAL_7B_V0_3, "qwen2.5-yarn": _QWEN2_5_7B_INSTRUCT_YARN}
+# No eos: greedy runs its NEW_TOKENS on both sides without an end-of-sequence rule to agree on.
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=None)
+
+
+def tiny_config(name: str) -> dict:
+    published = PUBLISHED[name]
+    cfg = {**published, **TINY}
+    if "head_dim" in published:  # keep head_dim != hidden / heads where the published one is
+        decoupled = published["head_dim"] != published["hidden_size"] // published["num_attention_heads"]
+        cfg["head_dim"] = 32 if decoupled else TINY["hidden_size"] // TINY["num_attention_heads"]
+    return cfg
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, TINY["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def save(name: str, path: Path) -> Path:
+    """The tiny model, loaded from its config.json and saved as the installed transformers does."""
+    import transformers
+
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(tiny_config(name), indent=2))
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():  # tied parameters are listed once
+            g = torch.Generator().manual_seed(zlib.crc32(pname.encode()))
+            values = torch.randn(p.shape, generator=g) * STD
+            p.copy_(values + 1 if pname.endswith("norm.weight") else values)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy(model_dir: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """HF generate from the saved dir, the prompts batched (left-padded): each one's tokens and the
+    logits that chose them."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    batch = prompts()
+    width = max(map(len, batch))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    assert out.sequences.shape[1] == width + NEW_TOKENS  # no eos: the config has none
+    steps = torch.stack(out.logits, dim=1).float()  # [prompts, NEW_TOKENS, vocab]
+    return out.sequences[:, width:].tolist(), list(steps)
+
+
+def write_oracle(name: str, out: Path) -> Path:
+    """out/name: the saved HF dir; out/name.oracle.json and .logits.safetensors: HF's answers."""
+    import transformers
+    from safetensors.torch import save_file
+
+    model_dir = save(name, out / name)
+    tokens, logits = hf_greedy(model_dir)
+    save_file({f"prompt{i}": t.contiguous() for i, t in enumerate(logits)}, str(out / f"{name}.logits.safetensors"))
+    (out / f"{name}.oracle.json").write_text(json.dumps(
+        {"transformers": transformers.__version__, "prompts": prompts(), "tokens": tokens}))
+    return model_dir
+
+
+def read_oracle(out: Path, name: str) -> dict:
+    from safetensors.torch import load_file
+
+    oracle = json.loads((out / f"{name}.oracle.json").read_text())
+    logits = load_file(out / f"{name}.logits.safetensors")
+    oracle["logits"] = [logits[f"prompt{i}"] for i in range(len(oracle["tokens"]))]
+    oracle["model_dir"] = out / name
+    return oracle
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    root = Path(sys.argv[1])
+    for family in PUBLISHED:
+        write_oracle(family, root)

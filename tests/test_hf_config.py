@@ -1,0 +1,268 @@
+"""config.json -> checkpoint config for both transformers majors: every field of the installed
+transformers' config classes is read, refused or known to be irrelevant; defaults are HF's; YaRN is
+HF's to the bit; each refused key is a one-line error naming key, value and what is supported."""
+import dataclasses
+import inspect
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kiln.config import ConfigError
+from kiln.convert.cli import convert_checkpoint
+from kiln.convert.hf_config import (FAMILIES, IGNORED, IGNORED_BY_FAMILY, MAPPED, REFUSED_ROPE_TYPES, ROPE_TYPES,
+                                    pretrained_config_from_hf)
+from kiln.models import rope
+
+CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+# 32 heads: HF's default num_key_value_heads (32 for Qwen, 8 for Mistral) must divide them.
+SIZES = dict(vocab_size=128, hidden_size=1024, num_hidden_layers=2, num_attention_heads=32, intermediate_size=512)
+MAJOR = int(transformers.__version__.split(".")[0])
+
+
+def fields_of(cls) -> set[str]:
+    """Every field a config class has: what it writes, what its constructor takes, its dataclass fields (5.x)."""
+    names = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    return names | set(getattr(cls, "attribute_map", {}))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_field_of_the_config_class_is_classified(family):
+    fields = fields_of(getattr(transformers, CLASSES[family]))
+    unclassified = sorted(fields - MAPPED[family] - IGNORED - IGNORED_BY_FAMILY[family])
+    assert not unclassified, (f"transformers {transformers.__version__} {CLASSES[family]} has field(s) "
+                              f"{unclassified} that kiln/convert/hf_config.py neither reads, refuses nor ignores")
+
+
+def test_the_table_in_the_docstring_names_every_key_read_or_refused():
+    from kiln.convert import hf_config
+
+    keys = set().union(*MAPPED.values(), hf_config.FOREIGN, *ROPE_TYPES.values(), REFUSED_ROPE_TYPES)
+    assert not sorted(k for k in keys if k not in hf_config.__doc__)
+
+
+def test_every_rope_type_and_key_of_transformers_is_classified():
+    from transformers import modeling_rope_utils as hf_rope
+
+    types = set(hf_rope.ROPE_INIT_FUNCTIONS) | {"default"}
+    assert types <= set(ROPE_TYPES) | set(REFUSED_ROPE_TYPES), types - set(ROPE_TYPES) - set(REFUSED_ROPE_TYPES)
+    if hasattr(hf_rope, "RopeParameters"):  # transformers 5's schema of rope_parameters
+        known = set().union(*ROPE_TYPES.values()) | {"rope_type", "rope_theta", "partial_rotary_factor",
+                                                     "short_factor", "long_factor"}  # the last two: longrope's
+        assert set(hf_rope.RopeParameters.__annotations__) <= known
+
+
+def hf_dict(family: str, **kw) -> dict:
+    """config.json as the installed transformers writes it."""
+    cfg = getattr(transformers, CLASSES[family])(**SIZES, **kw)
+    return dict(cfg.to_dict(), architectures=[FAMILIES[family]])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_absent_keys_take_hfs_defaults(family):
+    minimal = {"architectures": [FAMILIES[family]], "model_type": family, **SIZES}
+    hf = getattr(transformers, CLASSES[family])(**SIZES)
+    if family == "mistral":  # HF's Mistral slides a 4096 window over its 131072 positions by default
+        assert hf.sliding_window == 4096 < hf.max_position_embeddings
+        with pytest.raises(ConfigError, match="sliding_window 4096 is smaller than max_position_embeddings 131072"):
+            pretrained_config_from_hf(minimal)
+        minimal["sliding_window"] = None
+    ours = pretrained_config_from_hf(minimal)
+    theta = hf.rope_parameters["rope_theta"] if MAJOR >= 5 else hf.rope_theta
+    assert (ours.num_key_value_heads, ours.head_size, ours.norm_epsilon, ours.rotary_base, ours.rotary_scaling,
+            ours.tie_word_embeddings, ours.max_position_embeddings, ours.hidden_act) == (
+        hf.num_key_value_heads, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        hf.rms_norm_eps, theta, None, hf.tie_word_embeddings, hf.max_position_embeddings, hf.hidden_act)
+
+
+# The same model in each schema: what transformers 4 writes and what transformers 5 writes.
+SCHEMAS = [
+    ({"rope_theta": 5e5, "rope_scaling": None}, {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+     None),
+    ({"rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     {"rope_parameters": {"type": "linear", "rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+     {"type": "linear", "factor": 2.0}),
+    ({"rope_theta": 1e4, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+     {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}},
+     {"type": "dynamic", "factor": 4.0}),
+    ({"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     {"rope_parameters": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192, "rope_theta": 5e5}},
+     {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}),
+    ({"rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                          "rope_theta": 1e6}},
+     {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "beta_fast": 32.0,
+      "beta_slow": 1.0, "truncate": True, "attention_factor": 0.1 * math.log(4.0) + 1}),
+]
+
+
+@pytest.mark.parametrize("v4,v5,scaling", SCHEMAS, ids=["default", "linear", "dynamic", "llama3", "yarn"])
+def test_both_schemas_read_the_same(v4, v5, scaling):
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SIZES, "max_position_embeddings": 131072}
+    old = pretrained_config_from_hf({**base, **v4, "torch_dtype": "bfloat16"})
+    new = pretrained_config_from_hf({**base, **v5, "dtype": "bfloat16"})
+    assert old == new
+    assert (new.rotary_base, new.rotary_scaling, new.dtype) == (list(v5.values())[0]["rope_theta"], scaling,
+                                                                "bfloat16")
+
+
+def test_per_layer_type_rope_parameters():
+    # transformers 5 may key rope_parameters by layer type; one rope shared by all layers is fine.
+    hf = {k: v for k, v in hf_dict("qwen3").items() if k not in ("rope_theta", "rope_scaling")}
+    hf["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 123.0}}
+    assert pretrained_config_from_hf(hf).rotary_base == 123.0
+
+
+YARN = [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5/Qwen3
+    {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+     "mscale": 1.0, "mscale_all_dim": 0.707},  # DeepSeek-style mscale ratio
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "attention_factor": 0.9,
+     "beta_fast": 16.0, "beta_slow": 2.0},
+    {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+     "beta_slow": 1.0, "truncate": False},  # gpt-oss-style
+    {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 131072},
+]
+
+
+@pytest.mark.parametrize("scaling", YARN, ids=["qwen", "mscale", "attention_factor", "no_truncate", "factor_1"])
+def test_yarn_is_hfs_to_the_bit(scaling):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = transformers.Qwen2Config(**SIZES, max_position_embeddings=131072, rope_theta=1e6,
+                                      rope_scaling=dict(scaling))
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    ours = pretrained_config_from_hf(dict(hf_cfg.to_dict(), architectures=["Qwen2ForCausalLM"]))
+    assert ours.rotary_scaling["type"] == "yarn"
+    assert torch.equal(rope.inv_freq(ours), want_freq)
+    assert rope.attention_factor(ours) == pytest.approx(want_factor, rel=1e-12)
+    # A ModelOpt export carries HF's rope_scaling as it was: rope.py fills in HF's defaults itself.
+    raw = dataclasses.replace(ours, rotary_scaling={**scaling, "type": "yarn"})
+    assert torch.equal(rope.inv_freq(raw), want_freq)
+    assert rope.attention_factor(raw) == pytest.approx(want_factor, rel=1e-12)
+
+
+def test_text_config(tmp_path, hf_model):
+    """A text model nested in text_config with its weights under the multimodal prefixes converts
+    like the plain causal LM."""
+    from safetensors.torch import load_file, save_file
+
+    src = hf_model("qwen3")
+    plain = convert_checkpoint(src, tmp_path / "plain")
+    text = json.loads((src / "config.json").read_text())
+    weights = load_file(src / "model.safetensors")
+    for outer_arch, (model, head) in (("Mistral3ForConditionalGeneration", ("model.language_model.", "lm_head.")),
+                                      ("LlavaForConditionalGeneration", ("language_model.model.", "language_model.lm_head."))):
+        d = tmp_path / outer_arch
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": [outer_arch], "model_type": "llava",
+                                                   "vision_config": {"hidden_size": 8}, "text_config": text}))
+        renamed = {(model + k[len("model."):]) if k.startswith("model.") else head + k[len("lm_head."):]: v
+                   for k, v in weights.items()}
+        save_file({**renamed, "vision_tower.patch_embed.weight": torch.zeros(2, 2)}, d / "model.safetensors")
+        out = convert_checkpoint(d, tmp_path / f"{outer_arch}.ckpt")
+        assert json.loads((out / "config.json").read_text()) == json.loads((plain / "config.json").read_text())
+        assert (out / "rank0.safetensors").read_bytes() == (plain / "rank0.safetensors").read_bytes()
+
+
+def _set(**kw):
+    return lambda hf: hf.update(kw)
+
+
+def _rope(scaling, theta=None):
+    def edit(hf):
+        hf.pop("rope_scaling", None)
+        hf.pop("rope_theta", None)
+        hf["rope_parameters"] = scaling
+        if theta is not None:
+            hf["rope_theta"] = theta
+    return edit
+
+
+# (family, edit of the installed transformers' config.json, the one-line error it must give)
+REFUSED = [
+    ("llama", _set(model_type="mistral"), "model_type 'mistral' does not match architecture LlamaForCausalLM"),
+    ("llama", _set(quantization_config={"quant_method": "awq"}), "pre-quantized HF checkpoints (awq) are not supported"),
+    ("llama", lambda hf: hf.pop("intermediate_size"), "missing field(s): intermediate_size"),
+    ("llama", _set(hidden_act="gelu"), "hidden_act 'gelu' is not supported; expected 'silu'"),
+    ("llama", _set(attention_bias=True), "attention_bias=True is not supported for LlamaForCausalLM (expected false"),
+    ("qwen3", _set(attention_bias=True), "attention_bias=True is not supported for Qwen3ForCausalLM (expected false"),
+    ("llama", _set(mlp_bias=True), "mlp_bias=True is not supported for LlamaForCausalLM (expected false"),
+    ("qwen3", _set(head_dim=None), "head_dim null is not supported for Qwen3ForCausalLM; expected an integer"),
+    ("llama", _set(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported; expected 1.0"),
+    ("llama", _rope({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
+     "the rope dict's partial_rotary_factor 0.25 is not supported; expected 1.0"),
+    ("llama", _rope({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0],
+                     "original_max_position_embeddings": 64}),
+     "rope_type 'longrope' is not supported; expected one of default, linear, dynamic, llama3, yarn"),
+    ("llama", _rope({"rope_type": "proportional", "rope_theta": 1e4}), "rope_type 'proportional' is not supported"),
+    ("llama", _rope({"rope_type": "linear", "factor": 2.0, "mscale": 1.0}),
+     "rope linear key(s) mscale are not understood; expected only factor"),
+    ("llama", _rope({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}),
+     "rope llama3 is missing high_freq_factor"),
+    ("llama", _rope({"rope_type": "linear"}), "rope linear is missing factor"),
+    ("llama", _rope({"rope_type": "default", "rope_theta": 1e6}, theta=1e4),
+     "rope_theta 10000.0 and the rope dict's rope_theta 1000000.0 disagree"),
+    ("llama", _rope({"type": "linear", "rope_type": "dynamic", "factor": 2.0}),
+     "the rope dict's type and rope_type disagree (dynamic, linear)"),
+    ("llama", lambda hf: hf.update(rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                   rope_parameters={"rope_type": "linear", "factor": 4.0}),
+     "rope_scaling {'rope_type': 'linear', 'factor': 2.0} and rope_parameters"),
+    ("llama", _set(rope_scaling="linear"), "rope_scaling must be an object or null, got 'linear'"),
+    ("qwen3", lambda hf: hf.update(rope_parameters={"full_attention": {"rope_type": "default"},
+                                                    "sliding_attention": {"rope_type": "linear", "factor": 2.0}},
+                                   layer_types=["full_attention", "sliding_attention"]),
+     "rope_parameters differ between layer types (full_attention, sliding_attention)"),
+    ("llama", lambda hf: (_rope({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})(hf),
+                          hf.update(original_max_position_embeddings=64)),
+     "original_max_position_embeddings is 64 at the top level but absent (so 2048) in the rope dict"),
+    ("mistral", _set(sliding_window=1024, max_position_embeddings=4096),
+     "sliding_window 1024 is smaller than max_position_embeddings 4096 (on layer(s) 0, 1)"),
+    ("qwen2", _set(use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]),
+     "sliding_window 64 is smaller than max_position_embeddings 32768 (on layer(s) 1)"),
+    ("qwen2", _set(layer_types=["full_attention", "chunked_attention"]), "layer_types ['full_attention', "
+     "'chunked_attention'] is not supported; expected 2 entries of 'full_attention' or 'sliding_attention'"),
+    ("llama", _set(dtype="float64"), "dtype 'float64' is not supported; pass --dtype with one of float32"),
+    ("llama", lambda hf: (hf.pop("dtype", None), hf.update(torch_dtype="int8")), "torch_dtype 'int8' is not supported"),
+    ("llama", _set(text_config="llama"), "text_config must be an object, got 'llama'"),
+    ("llama", _set(rms_norm_eps=None), "rms_norm_eps null is not supported; expected a value (absent, HF's "
+     "default for LlamaForCausalLM is 1e-06)"),
+    ("qwen2", _set(rope_theta=None, rope_scaling=None, rope_parameters=None), "rope_theta null is not supported"),
+    *[("llama", _set(**{key: value}), f"{key}={value!r} is not supported for LlamaForCausalLM")
+      for key, value in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("logits_scaling", 8.0),
+                         ("embedding_multiplier", 12.0), ("residual_multiplier", 0.22),
+                         ("attention_multiplier", 0.0078125), ("query_pre_attn_scalar", 256), ("use_mrope", True))],
+]
+
+
+@pytest.mark.parametrize("family,edit,message", REFUSED, ids=[f"{f}: {m.split(' ')[0]}" for f, _, m in REFUSED])
+def test_refused_keys_are_one_line_errors(family, edit, message):
+    hf = hf_dict(family)
+    edit(hf)
+    with pytest.raises(ConfigError) as err:
+        pretrained_config_from_hf(hf, where="m/config.json")
+    text = str(err.value)
+    assert text.startswith("m/config.json: ") and "\n" not in text
+    assert message in text, text
+
+
+def test_the_declared_transformers_range_is_what_make_test_runs():
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.specifiers import SpecifierSet
+
+    root = Path(__file__).parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    spec = SpecifierSet(next(d for d in deps if d.startswith("transformers"))[len("transformers"):])
+    pins = [line.split("==")[1] for name in ("cpu.txt", "transformers5.txt")
+            for line in (root / "requirements" / name).read_text().splitlines() if line.startswith("transformers==")]
+    assert pins == ["4.57.6", "5.13.1"] and all(v in spec for v in pins)
+    untested = ["4.56.2", "4.57.5", *(f"5.{minor}.0" for minor in range(13)), "5.14.0"]
+    assert [v for v in untested if v in spec] == []

@@ -65,14 +65,16 @@ def eval_ppl(engine_dir, files, more_files, max_len, threads):
 @click.option("--seed", type=int, default=None, help="Per-request seed for reproducible sampling.")
 @click.option("--stop", multiple=True, help="Stop string; repeatable.")
 @click.option("--threads", type=int, default=None, help=THREADS_HELP)
-def run(engine_dir, prompts, threads, stop, **sampling):
+@click.option("--enable_prefix_caching/--no_enable_prefix_caching", default=True, show_default=True,
+              help="Prompts that share a prefix compute it once.")
+def run(engine_dir, prompts, threads, stop, enable_prefix_caching, **sampling):
     """Generate from an engine dir, streaming each prompt's text to the terminal."""
     from kiln.runtime.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(stop=list(stop) or None, **sampling)
-        engine = LLMEngine(engine_dir, threads=threads)
+        engine = LLMEngine(engine_dir, threads=threads, enable_prefix_caching=enable_prefix_caching)
         requests = [engine.add_request(p, params) for p in prompts]
     except ValueError as e:
         raise click.ClickException(str(e)) from None

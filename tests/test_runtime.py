@@ -119,7 +119,7 @@ def reference(llm):
 
 @pytest.fixture(scope="module")
 def chunked_llm(engine_dir):
-    return LLM(engine_dir, max_num_tokens=16)
+    return LLM(engine_dir, max_num_tokens=16, enable_prefix_caching=False)  # every chunk computed
 
 
 @pytest.fixture(scope="module")
@@ -138,13 +138,14 @@ def no_evict_blocks(prompt_lens) -> int:
 
 @pytest.fixture(scope="module")
 def preempting_llm(engine_dir, preempt_blocks):
-    return LLM(engine_dir, scheduler_policy="max_utilization", max_tokens_in_paged_kv_cache=preempt_blocks * TPB)
+    return LLM(engine_dir, scheduler_policy="max_utilization", max_tokens_in_paged_kv_cache=preempt_blocks * TPB,
+               enable_prefix_caching=False)  # block counts as the tests work them out
 
 
 @pytest.fixture(scope="module")
 def no_evict_llm(engine_dir, no_evict_blocks):
     return LLM(engine_dir, scheduler_policy="guaranteed_no_evict",
-               max_tokens_in_paged_kv_cache=no_evict_blocks * TPB)
+               max_tokens_in_paged_kv_cache=no_evict_blocks * TPB, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,8 @@ class AsyncLLM:
         if stats is None:
             info = self.client.info
             return dict(num_requests_running=0, num_requests_waiting=0, num_kv_blocks=info.num_kv_blocks,
-                        num_free_kv_blocks=info.num_kv_blocks, kv_cache_usage=0.0, num_preemptions=0)
+                        num_free_kv_blocks=info.num_kv_blocks, kv_cache_usage=0.0, num_preemptions=0,
+                        prefix_cache_queries=0, prefix_cache_hits=0)
         return asdict(stats)
 
     def shutdown(self) -> None:

@@ -30,6 +30,7 @@ class EngineCoreRequest:
     max_tokens: int
     eos_token_ids: tuple[int, ...]
     arrival_time: float
+    cache_salt: str | None = None  # requests with different salts never share cached blocks
 
 
 @dataclass
@@ -50,6 +51,7 @@ class EngineCoreOutput:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished: bool
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -60,6 +62,8 @@ class SchedulerStats:
     num_free_kv_blocks: int
     kv_cache_usage: float
     num_preemptions: int
+    prefix_cache_queries: int = 0  # tokens, cumulative
+    prefix_cache_hits: int = 0
 
 
 @dataclass
@@ -82,20 +86,22 @@ class EngineInfo:
     scheduler_policy: str
     enable_chunked_prefill: bool
     threads: int
+    enable_prefix_caching: bool
 
 
 class EngineCore:
     def __init__(self, engine_dir, *, scheduler_policy: str = "max_utilization",
                  enable_chunked_prefill: bool = True, max_batch_size: int | None = None,
                  max_num_tokens: int | None = None, kv_cache_free_mem_fraction: float | None = None,
-                 max_tokens_in_paged_kv_cache: int | None = None, threads: int | None = None):
+                 max_tokens_in_paged_kv_cache: int | None = None, threads: int | None = None,
+                 enable_prefix_caching: bool = True, prefix_cache_seed: int | None = None):
         threads = configure_threads(threads)
         self.executor = UniprocExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
         build = self.executor.config.build_config
         self.build_config = build
         max_batch_size = _bounded("max_batch_size", max_batch_size, build.max_batch_size)
         self.kv = KVCacheManager(self.executor.num_blocks, build.tokens_per_block, max_batch_size,
-                                 build.max_blocks_per_seq)
+                                 build.max_blocks_per_seq, enable_prefix_caching, prefix_cache_seed)
         self.scheduler = Scheduler(self.kv, max_batch_size, _bounded("max_num_tokens", max_num_tokens,
                                                                      build.max_num_tokens),
                                    build.max_seq_len, scheduler_policy, enable_chunked_prefill)
@@ -103,14 +109,15 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.info = EngineInfo(build, self.executor.config.pretrained_config, self.scheduler.max_batch_size,
                                self.scheduler.max_num_tokens, self.executor.num_blocks, build.tokens_per_block,
-                               scheduler_policy, enable_chunked_prefill, threads)
+                               scheduler_policy, enable_chunked_prefill, threads, enable_prefix_caching)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
         # The frontend only reuses an id it has finished (a stop string) that the core still runs.
         self.abort(r.request_id)
         req = Request(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids,
-                      arrival_time=r.arrival_time, forked=r.params.n == 1)
+                      () if r.cache_salt is None else (r.cache_salt,), arrival_time=r.arrival_time,
+                      forked=r.params.n == 1)
         if r.params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         req.sequences.append(self._new_sequence(req, 0, list(r.prompt_token_ids)))
@@ -145,7 +152,7 @@ class EngineCore:
         waiting = {s.request.request_id for s in self.scheduler.waiting} - running
         pool = self.kv.pool
         return SchedulerStats(len(running), len(waiting), pool.num_blocks, pool.num_free, pool.usage,
-                              self.scheduler.num_preemptions)
+                              self.scheduler.num_preemptions, self.kv.queries, self.kv.hits)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -162,6 +169,7 @@ class EngineCore:
         touched: dict[str, tuple[Request, EngineCoreOutput]] = {}
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
             req = seq.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -174,7 +182,7 @@ class EngineCore:
             self._output(touched, req).new_prompt_logprobs = new
         self._sample(plan.sample, logits, touched)
         for req, o in touched.values():
-            o.finished, o.first_token_time = req.finished, req.first_token_time
+            o.finished, o.first_token_time, o.num_cached_tokens = req.finished, req.first_token_time, req.num_cached_tokens
         return EngineCoreOutputs([o for _, o in touched.values()], self.stats())
 
     @staticmethod

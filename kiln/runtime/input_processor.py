@@ -16,6 +16,9 @@ class InputProcessor:
                                                                                          RequestState]:
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
         build, info = self.info.build_config, self.info
         if not token_ids:
             raise ValueError("prompt is empty (it has no tokens)")
@@ -44,7 +47,7 @@ class InputProcessor:
             raise ValueError("stop strings need a tokenizer, and this engine was loaded with "
                              "skip_tokenizer_init; use stop_token_ids")
         now = time.monotonic()
-        return (EngineCoreRequest(request_id, token_ids, params, max_tokens, self.eos_token_ids, now),
+        return (EngineCoreRequest(request_id, token_ids, params, max_tokens, self.eos_token_ids, now, salt),
                 RequestState(request_id, text, token_ids, params, now))
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:

@@ -1,12 +1,16 @@
 """Gives sequences the KV blocks their tokens need; knows nothing of scheduling policy.
 
+With prefix caching on, a sequence admitted from the queue first takes the cached blocks of its
+longest cached prefix (full blocks only, never the one holding its last token, whose logits must
+be computed), and each block it fills is added to the cache once its K/V are computed.
+
 Each sequence holding blocks also has a row of `block_tables`, a tensor copy of its block table
 kept in step with it as blocks are added, so that a step's tables are gathered from rows instead of
 being built from Python lists every step (kiln/runtime/model_runner.py).
 """
 import torch
 
-from kiln.runtime.block_pool import BlockPool
+from kiln.runtime.block_pool import NONE, BlockHasher, BlockPool
 from kiln.runtime.sequence import Sequence
 
 
@@ -23,9 +27,13 @@ def request_blocks(num_prompt_tokens: int, max_len: int, n: int, tokens_per_bloc
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, tokens_per_block: int, max_seqs: int, max_blocks_per_seq: int):
+    def __init__(self, num_blocks: int, tokens_per_block: int, max_seqs: int, max_blocks_per_seq: int,
+                 enable_prefix_caching: bool = True, prefix_cache_seed: int | None = None):
         self.pool = BlockPool(num_blocks)
         self.tokens_per_block = tokens_per_block
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hasher = BlockHasher(prefix_cache_seed)
+        self.queries = self.hits = 0  # tokens of admitted sequences, and of those found cached (vLLM's)
         self.reserved = 0  # promised to admitted sequences (guaranteed_no_evict), not yet allocated
         self.block_tables = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32)
         self.free_rows = list(range(max_seqs - 1, -1, -1))
@@ -61,6 +69,43 @@ class KVCacheManager:
         self._append(seq, self.pool.allocate(need))
         return True
 
+    # -- the prefix cache ---------------------------------------------------------------------
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the sequence's first num_blocks full blocks (kept on it: its
+        tokens never change, so a preempted sequence does not hash them again)."""
+        tpb, hashes = self.tokens_per_block, seq.block_hashes
+        for i in range(len(hashes), num_blocks):
+            hashes.append(self.hasher(hashes[-1] if hashes else NONE, seq.token_ids[i * tpb:(i + 1) * tpb],
+                                      seq.request.extra_keys))
+        return hashes[:num_blocks]
+
+    def take_cached(self, seq: Sequence) -> int:
+        """A sequence holding no blocks takes those of its longest cached prefix; returns the tokens
+        they hold (now computed)."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        limit = seq.num_tokens - 1
+        if seq.request.prompt_logprobs is not None:  # positions still to be scored must be computed
+            limit = min(limit, len(seq.request.prompt_logprobs) - 1)
+        hits = self.pool.lookup(self._hashes(seq, limit // self.tokens_per_block))
+        self.pool.take(hits)
+        if hits:
+            self._append(seq, hits)
+        seq.num_cached_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.tokens_per_block
+        return seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Add the blocks the sequence has filled and computed since the last call to the cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.tokens_per_block, len(seq.block_table))
+        if full > seq.num_cached_blocks:
+            hashes = self._hashes(seq, full)
+            for i in range(seq.num_cached_blocks, full):
+                self.pool.cache(seq.block_table[i], hashes[i])
+            seq.num_cached_blocks = full
+
     def _append(self, seq: Sequence, blocks: list[int]) -> None:
         if seq.row < 0:
             assert self.free_rows, "more sequences hold blocks than the batch has rows"
@@ -72,6 +117,7 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)
         seq.block_table = []
+        seq.num_cached_blocks = 0
         if seq.row >= 0:
             self.free_rows.append(seq.row)
             seq.row = -1
@@ -84,6 +130,8 @@ class KVCacheManager:
         full = parent.num_computed_tokens // self.tokens_per_block
         shared = parent.block_table[:full]
         self.pool.share(shared)
+        child.block_hashes = list(parent.block_hashes)  # the same tokens so far
+        child.num_cached_blocks = min(parent.num_cached_blocks, full)
         if full == len(parent.block_table):
             self._append(child, shared)
             return None

@@ -41,6 +41,7 @@ class RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -70,6 +71,7 @@ class OutputProcessor:
                 continue
             state.first_scheduled_time = o.first_scheduled_time
             state.first_token_time = state.first_token_time or o.first_token_time
+            state.num_cached_tokens = o.num_cached_tokens
             if o.new_prompt_logprobs:
                 state.prompt_logprobs.extend(o.new_prompt_logprobs)
             for delta in o.samples:
@@ -151,4 +153,4 @@ class OutputProcessor:
                                  state.finished_time, max((len(s.token_ids) for s in samples), default=0))
         return RequestOutput(state.request_id, state.prompt, list(state.prompt_token_ids),
                              None if state.prompt_logprobs is None else list(state.prompt_logprobs),
-                             outputs, state.finished, metrics)
+                             outputs, state.finished, metrics, state.num_cached_tokens)

@@ -46,3 +46,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    num_cached_tokens: int | None = None  # prompt tokens whose K/V came from the prefix cache

@@ -71,13 +71,17 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
+        # Batch slots taken: a running request that has not forked yet will hold n of them.
+        occupied = sum(1 if s.request.forked else s.request.params.n for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             width = 1 if seq.request.forked else seq.request.params.n
-            if len(self.running) + width > self.max_batch_size:
+            if occupied + width > self.max_batch_size:
                 break
+            cached = self.kv.take_cached(seq)  # the longest cached prefix: computed already
             n = seq.num_tokens - seq.num_computed_tokens
             if n > budget and not self.enable_chunked_prefill:
+                self._unadmit(seq)
                 break
             n = min(n, budget)
             # every new sequence reserves (an n=1 request is `forked` from the start)
@@ -85,14 +89,21 @@ class Scheduler:
                 req = seq.request
                 total, _ = self.kv.request_blocks(req.num_prompt_tokens, req.max_len, req.params.n)
                 if not self.kv.reserve(seq, total):
+                    self._unadmit(seq)
                     break
             headroom = self._fork_headroom(seq, n)
             if not self.kv.allocate_slots(seq, n, held + headroom):
+                self._unadmit(seq)
                 break
+            if seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = cached
+            self.kv.queries += seq.num_tokens
+            self.kv.hits += cached
             held += headroom
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            occupied += width
             out.scheduled.append((seq, n))
             budget -= n
         return out
@@ -105,6 +116,12 @@ class Scheduler:
         if seq.reserved_blocks:
             return 0  # the reservation covers the siblings
         return req.params.n - 1
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """It stays waiting: the cached blocks it took go back (still cached), its reservation too."""
+        if seq.block_table or seq.reserved_blocks:
+            self.kv.free(seq)
+        seq.num_computed_tokens = 0
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute later: drop its KV and put it first in line, prompt and output kept."""

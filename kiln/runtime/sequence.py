@@ -24,6 +24,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     row: int = -1  # its row of the KV cache manager's block_tables while it holds blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
+    num_cached_blocks: int = 0  # leading blocks of block_table that are in the prefix cache
     reserved_blocks: int = 0  # guaranteed_no_evict: blocks promised but not yet taken
     finish_reason: str | None = None
 
@@ -56,6 +58,7 @@ class Request:
     params: SamplingParams
     max_tokens: int  # params.max_tokens bounded by the engine's max_seq_len
     eos_token_ids: tuple[int, ...] = ()
+    extra_keys: tuple = ()  # what else changes its K/V besides the tokens (a cache salt): in every block hash
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -63,6 +66,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     forked: bool = False  # the n samples exist (after the prompt's last chunk)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
 
     @property
     def num_prompt_tokens(self) -> int:

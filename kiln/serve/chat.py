@@ -25,13 +25,13 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     rid, created = random_id("chatcmpl"), now()
     head = {"id": rid, "created": created, "model": model}
     if req.stream:
-        stream = await until_disconnected(request, serving.start([prompt], params, rid, "messages"))
+        stream = await until_disconnected(request, serving.start([prompt], params, rid, "messages", req.cache_salt))
         return StreamingResponse(_stream(serving, req, stream, head, holdback=stop_holdback(params)),
                                  media_type="text/event-stream")
 
     async def collect():
         final = None
-        async for _, out in await serving.start([prompt], params, rid, "messages"):
+        async for _, out in await serving.start([prompt], params, rid, "messages", req.cache_salt):
             final = out
         return final
 

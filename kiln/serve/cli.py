@@ -43,6 +43,12 @@ def _both(name: str) -> tuple[str, str]:
               default="max_utilization", show_default=True)
 @click.option("--enable_chunked_prefill/--disable_chunked_prefill", "--enable-chunked-prefill/"
               "--disable-chunked-prefill", default=True, show_default=True)
+@click.option("--enable_prefix_caching/--no_enable_prefix_caching", "--enable-prefix-caching/"
+              "--no-enable-prefix-caching", default=True, show_default=True,
+              help="Reuse the KV blocks of prompt prefixes seen before (chat history, system prompts).")
+@click.option(*_both("prefix_cache_seed"), type=int, default=None,
+              help="Key of the prefix cache's block hashes (default: random per process, so that hashes "
+                   "cannot be predicted across restarts).")
 @click.option(*_both("max_batch_size"), type=int, default=None, help="At most the engine's build limit.")
 @click.option(*_both("max_num_tokens"), type=int, default=None, help="Tokens per step; at most the build limit.")
 @click.option(*_both("kv_cache_free_mem_fraction"), type=float, default=None,

@@ -69,12 +69,10 @@ class EngineCollector(Collector):
         yield gauge("kv_cache_total_blocks", "KV cache blocks in the pool.", s["num_kv_blocks"])
         yield counter("num_preemptions", "Sequences preempted (KV freed, recomputed later).",
                       s["num_preemptions"])
-        # Kiln's engine has no prefix cache yet: these are real counters that stay at 0, exported so
-        # that dashboards built for vLLM find them; they will count once prefix caching exists.
-        yield counter("prefix_cache_queries", "Prefix cache queries, in tokens. Always 0: the engine "
-                      "has no prefix cache yet.", 0)
-        yield counter("prefix_cache_hits", "Prefix cache hits, in tokens. Always 0: the engine has "
-                      "no prefix cache yet.", 0)
+        yield counter("prefix_cache_queries", "Prefix cache queries, in tokens (of each admitted prompt).",
+                      s["prefix_cache_queries"])
+        yield counter("prefix_cache_hits", "Prefix cache hits, in tokens (found cached, not computed).",
+                      s["prefix_cache_hits"])
 
 
 class ServerMetrics:

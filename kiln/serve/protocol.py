@@ -69,6 +69,7 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[NonNegInt] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(None, min_length=1)  # requests with different salts share no cached KV
 
 
 class CompletionRequest(SamplingFields):
@@ -126,10 +127,15 @@ class DetokenizeRequest(OpenAIModel):
 
 # ------------------------------------------------------------------------------------ responses
 # (streamed chunks are these choices' streaming forms, written as plain dicts: one per token)
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

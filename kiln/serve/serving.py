@@ -109,10 +109,12 @@ class Serving:
         return {"prompt_token_ids": ids, "prompt": text}
 
     async def start(self, prompts: list[dict], params: SamplingParams, request_id: str,
-                    prompt_param: str = "prompt") -> AsyncIterator[tuple[int, RequestOutput]]:
+                    prompt_param: str = "prompt", cache_salt: str | None = None
+                    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Add one engine request per prompt; returns once each has its first output (so that a bad
         request is an error status, not a broken stream), as one stream of (prompt index, output)."""
-        gens = [self.metrics.track(self.llm.generate(p, params, f"{request_id}-{i}"))
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+        gens = [self.metrics.track(self.llm.generate({**p, **salt}, params, f"{request_id}-{i}"))
                 for i, p in enumerate(prompts)]
         try:
             firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
@@ -235,7 +237,9 @@ def stop_holdback(params: SamplingParams) -> int:
 def usage(outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.num_cached_tokens or 0 for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(payload) -> str:

@@ -18,6 +18,7 @@ from kiln.runtime.sampler import SampleRow, Sampler, compute_prompt_logprobs, ma
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import Request, Sequence
+from kiln.runtime.spec_decode import SpeculativeConfig, make_proposer, verify
 from kiln.runtime.threads import configure_threads
 
 
@@ -52,6 +53,8 @@ class EngineCoreOutput:
     first_token_time: float | None
     finished: bool
     num_cached_tokens: int | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -64,6 +67,16 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int = 0  # tokens, cumulative
     prefix_cache_hits: int = 0
+    spec: "SpecStats | None" = None
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding, cumulative (vLLM's spec_decode counters)."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -94,7 +107,8 @@ class EngineCore:
                  enable_chunked_prefill: bool = True, max_batch_size: int | None = None,
                  max_num_tokens: int | None = None, kv_cache_free_mem_fraction: float | None = None,
                  max_tokens_in_paged_kv_cache: int | None = None, threads: int | None = None,
-                 enable_prefix_caching: bool = True, prefix_cache_seed: int | None = None):
+                 enable_prefix_caching: bool = True, prefix_cache_seed: int | None = None,
+                 speculative_config: dict | None = None):
         threads = configure_threads(threads)
         self.executor = UniprocExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
         build = self.executor.config.build_config
@@ -106,6 +120,10 @@ class EngineCore:
                                                                      build.max_num_tokens),
                                    build.max_seq_len, scheduler_policy, enable_chunked_prefill)
         self.sampler = Sampler()
+        spec = SpeculativeConfig.from_dict(speculative_config)
+        self.proposer = make_proposer(spec, engine_dir, self.executor.config, max_batch_size)
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        self.spec_stats = SpecStats(accepted_per_pos=[0] * self.num_speculative_tokens) if spec else None
         self.requests: dict[str, Request] = {}
         self.info = EngineInfo(build, self.executor.config.pretrained_config, self.scheduler.max_batch_size,
                                self.scheduler.max_num_tokens, self.executor.num_blocks, build.tokens_per_block,
@@ -152,10 +170,12 @@ class EngineCore:
         waiting = {s.request.request_id for s in self.scheduler.waiting} - running
         pool = self.kv.pool
         return SchedulerStats(len(running), len(waiting), pool.num_blocks, pool.num_free, pool.usage,
-                              self.scheduler.num_preemptions, self.kv.queries, self.kv.hits)
+                              self.scheduler.num_preemptions, self.kv.queries, self.kv.hits, self.spec_stats)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -168,8 +188,9 @@ class EngineCore:
         logits = self.executor.execute(plan.inputs)
         touched: dict[str, tuple[Request, EngineCoreOutput]] = {}
         for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
+            if not seq.draft_token_ids:  # a speculating one's count waits for the verification
+                seq.num_computed_tokens += n
+                self.kv.cache_full_blocks(seq)
             req = seq.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -181,8 +202,10 @@ class EngineCore:
             req.prompt_logprobs.extend(new)
             self._output(touched, req).new_prompt_logprobs = new
         self._sample(plan.sample, logits, touched)
+        self._verify(plan.verify, logits, touched)
         for req, o in touched.values():
             o.finished, o.first_token_time, o.num_cached_tokens = req.finished, req.first_token_time, req.num_cached_tokens
+            o.num_draft_tokens, o.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
         return EngineCoreOutputs([o for _, o in touched.values()], self.stats())
 
     @staticmethod
@@ -211,19 +234,68 @@ class EngineCore:
         picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
         result = self.sampler(picked, [SampleRow(s.request.params, s.request.prompt_token_ids, s.output_token_ids,
                                                  s.generator, s.request.eos_token_ids) for s in seqs])
-        now = time.monotonic()
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids)):
-            req = seq.request
-            if req.first_token_time is None:
-                req.first_token_time = now
+            lp = result.logprobs[i] if seq.request.params.logprobs is not None else None
+            self._emit(seq, [token], None if lp is None else [lp], touched)
+
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None, touched: dict) -> None:
+        """Append a sequence's new tokens, up to the first that ends it."""
+        req, now = seq.request, time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        sample = SampleDelta(seq.index, [], [] if logprobs is not None else None)
+        for j, token in enumerate(tokens):
             seq.token_ids.append(token)
-            lp = result.logprobs[i] if req.params.logprobs is not None else None
-            sample = SampleDelta(seq.index, [token], None if lp is None else [lp])
+            sample.new_token_ids.append(token)
+            if logprobs is not None:
+                sample.new_logprobs.append(logprobs[j])
             self._check_stop(seq, token, sample)
-            self._output(touched, req).samples.append(sample)
-            if seq.finished and req.finished:
-                req.finished_time = now
-                self.requests.pop(req.request_id, None)
+            if sample.finish_reason is not None:
+                break
+        self._output(touched, req).samples.append(sample)
+        if seq.finished and req.finished:
+            req.finished_time = now
+            self.requests.pop(req.request_id, None)
+
+    # -- speculative decoding --------------------------------------------------------------------
+    def _propose(self) -> None:
+        """Drafts for every decoding sequence, as many as its limits leave room for."""
+        seqs, ks = [], []
+        for seq in self.scheduler.running:
+            req = seq.request
+            if req.forked and not seq.prefilling:
+                k = min(self.num_speculative_tokens, req.max_tokens - seq.num_output_tokens - 1,
+                        self.build_config.max_seq_len - seq.num_tokens)
+                if k > 0:
+                    seqs.append(seq)
+                    ks.append(k)
+        self.proposer.prune({id(s) for s in self.scheduler.running})
+        for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks)):
+            seq.draft_token_ids = drafts
+
+    def _verify(self, to_verify: list[tuple[Sequence, list[int]]], logits: torch.Tensor, touched: dict) -> None:
+        if not to_verify:
+            return
+        seqs = [seq for seq, _ in to_verify]
+        rows = [r for _, rs in to_verify for r in rs]
+        drafts = [seq.draft_token_ids for seq in seqs]
+        results = verify(self.sampler, logits[rows], [
+            SampleRow(s.request.params, s.request.prompt_token_ids, s.output_token_ids, s.generator,
+                      s.request.eos_token_ids) for s in seqs], drafts)
+        stats = self.spec_stats
+        for seq, d, res in zip(seqs, drafts, results):
+            seq.draft_token_ids = []
+            seq.num_computed_tokens += 1 + res.num_accepted  # K/V of rejected drafts is simply overwritten later
+            self.kv.cache_full_blocks(seq)
+            req = seq.request
+            req.num_draft_tokens += len(d)
+            req.num_accepted_tokens += res.num_accepted
+            stats.num_drafts += 1
+            stats.num_draft_tokens += len(d)
+            stats.num_accepted_tokens += res.num_accepted
+            for pos in range(res.num_accepted):
+                stats.accepted_per_pos[pos] += 1
+            self._emit(seq, res.token_ids, res.logprobs, touched)
 
     def _fork(self, parent: Sequence) -> list[tuple[int, int]]:
         """The prompt is computed: make the request's other n - 1 samples, sharing its KV blocks."""

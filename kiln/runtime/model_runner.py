@@ -1,6 +1,7 @@
 """Turns a scheduled step into the engine's flat input tensors (DESIGN.md, "The engine step").
 
-Block tables come from the KV cache manager's `block_tables` rows (one per sequence holding
+A speculating sequence (DESIGN.md) goes through the context phase with its last token and its
+draft tokens, and gets logits at every one of them. Block tables come from the KV cache manager's `block_tables` rows (one per sequence holding
 blocks, kept up to date as blocks are added): a step gathers the rows it needs, and the decode
 tokens' slots are computed from them in one tensor expression. Only prefill chunks, whose tokens
 are few per request but many per step, are laid out token by token.
@@ -22,6 +23,8 @@ class StepPlan:
     sample: list[tuple[Sequence, int]] = field(default_factory=list)
     # Prompt logprobs: (sequence, first prompt position predicted, logits rows).
     prompt_rows: list[tuple[Sequence, int, list[int]]] = field(default_factory=list)
+    # Speculating sequences: their logits rows, at the last token and at each draft token.
+    verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)
 
 
 def tables_of(seqs: list[Sequence]) -> torch.Tensor:
@@ -55,7 +58,7 @@ def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.T
             gen_rows.append(seq.row)
             gen_pos.append(start)
         else:
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend((seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids)[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             ctx_slots.extend((first + p - start, table[p // tpb] * tpb + p % tpb) for p in range(start, end))
@@ -70,7 +73,10 @@ def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.T
             if lo < hi:
                 plan.prompt_rows.append((seq, lo + 1, list(range(len(logits_index), len(logits_index) + hi - lo))))
                 logits_index.extend(range(first + lo - start, first + hi - start))
-        if end == seq.num_tokens:
+        if seq.draft_token_ids:  # the last token and every draft: the target's next-token rows
+            plan.verify.append((seq, list(range(len(logits_index), len(logits_index) + n))))
+            logits_index.extend(range(first, first + n))
+        elif end == seq.num_tokens:
             plan.sample.append((seq, len(logits_index)))
             logits_index.append(first + n - 1)
     if not logits_index:

@@ -54,6 +54,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_batch_size:
             seq = self.running[i]
+            if seq.draft_token_ids:  # the last token and the drafts, if they fit without evicting anyone
+                n = 1 + len(seq.draft_token_ids)
+                if n <= budget and self.kv.allocate_slots(seq, n, held):
+                    out.scheduled.append((seq, n))
+                    budget -= n
+                    i += 1
+                    continue
+                seq.draft_token_ids = []
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             headroom = self._fork_headroom(seq, n)
             while not self.kv.allocate_slots(seq, n, held + headroom):

@@ -26,6 +26,7 @@ class Sequence:
     row: int = -1  # its row of the KV cache manager's block_tables while it holds blocks
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
     num_cached_blocks: int = 0  # leading blocks of block_table that are in the prefix cache
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for this step, to be verified
     reserved_blocks: int = 0  # guaranteed_no_evict: blocks promised but not yet taken
     finish_reason: str | None = None
 
@@ -67,6 +68,8 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     forked: bool = False  # the n samples exist (after the prompt's last chunk)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    num_draft_tokens: int = 0  # speculative decoding: proposed, and accepted by the target
+    num_accepted_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

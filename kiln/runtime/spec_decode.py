@@ -1,0 +1,252 @@
+"""Speculative decoding: cheap proposals for a sequence's next tokens, verified by the target model
+in one step (DESIGN.md: a speculating sequence is 1 + k query tokens through the context phase).
+
+Proposers: `NgramProposer` (prompt lookup: the tokens that followed the latest earlier occurrence
+of the sequence's last n-gram) and `DraftProposer` (a second, smaller Kiln engine with its own KV
+cache, decoding greedily). Both propose deterministic tokens, so the draft distribution q is
+one-hot and speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023) reduces to:
+accept draft token d with probability p(d) under the target's processed distribution p
+(temperature, top-k/p, min-p, penalties, min_tokens: exactly what the sampler draws from);
+on the first rejection draw from p with d removed, renormalized; when every draft is accepted,
+draw a bonus token from p at the last position. The emitted tokens are distributed exactly as
+plain sampling's. Greedy rows accept while the target's argmax agrees.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.config import ConfigError
+from kiln.runtime.sampler import SampleRow, TorchSampler, _logprob_dicts, call_key, draw_stream, draw_uniform
+
+METHODS = ("ngram", "draft_model")
+ACCEPT_ROUND, RESIDUAL_ROUND = 1, 2  # draws of a verification, apart from the sampler's own (round 0)
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    draft_engine_dir: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
+        if d is None:
+            return None
+        if not isinstance(d, dict):
+            raise ConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
+        unknown = set(d) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                            "draft_engine_dir"}
+        if unknown:
+            raise ConfigError(f"speculative_config has unknown key(s) {', '.join(sorted(unknown))}; expected "
+                              f"method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
+                              f"draft_engine_dir")
+        if d.get("method") not in METHODS:
+            raise ConfigError(f"speculative_config method {d.get('method')!r} is not supported; expected "
+                              f"one of {', '.join(METHODS)}")
+        c = cls(**d)
+        if not isinstance(c.num_speculative_tokens, int) or c.num_speculative_tokens < 1:
+            raise ConfigError(f"speculative_config num_speculative_tokens must be an int >= 1, got "
+                              f"{c.num_speculative_tokens!r}")
+        if c.method == "ngram" and not 1 <= c.prompt_lookup_min <= c.prompt_lookup_max:
+            raise ConfigError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{c.prompt_lookup_min} and {c.prompt_lookup_max}")
+        if c.method == "draft_model" and not c.draft_engine_dir:
+            raise ConfigError("speculative_config method draft_model needs draft_engine_dir")
+        return c
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig):
+        self.max_n, self.min_n = config.prompt_lookup_max, config.prompt_lookup_min
+
+    def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
+        return [self._lookup(seq.token_ids, k) for seq, k in zip(seqs, ks)]
+
+    def _lookup(self, token_ids: list[int], k: int) -> list[int]:
+        """The k tokens after the latest earlier occurrence of the longest suffix n-gram."""
+        data = array("i", token_ids).tobytes()
+        for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
+            suffix = data[-4 * n:]
+            end = len(data) - 4  # an occurrence that ends before the last token
+            while True:
+                pos = data.rfind(suffix, 0, end)
+                if pos < 0:
+                    break
+                if pos % 4 == 0:  # bytes.rfind can also match across token boundaries
+                    start = pos // 4 + n
+                    return token_ids[start:start + k]
+                end = pos + 4 * n - 1
+        return []
+
+    def prune(self, live: set[int]) -> None:
+        pass
+
+
+class DraftProposer:
+    """A smaller engine proposes by greedy decoding. Its KV cache follows each target sequence: the
+    tokens it has computed stay valid as long as they agree with the target's tokens."""
+
+    def __init__(self, config: SpeculativeConfig, target_dir, target_config, max_batch_size: int):
+        from kiln.config import EngineConfig
+        from kiln.runtime.executor import UniprocExecutor
+        from kiln.runtime.kv_cache_manager import KVCacheManager
+
+        draft_dir = Path(config.draft_engine_dir)
+        draft = EngineConfig.load(draft_dir)
+        tp, db = target_config.pretrained_config, draft.build_config
+        _check_compatible(draft_dir, draft, Path(target_dir), target_config)
+        self.executor = UniprocExecutor(draft_dir)
+        self.kv = KVCacheManager(self.executor.num_blocks, db.tokens_per_block, max_batch_size,
+                                 db.max_blocks_per_seq, enable_prefix_caching=False)
+        self.max_num_tokens = db.max_num_tokens
+        self.seqs: dict[int, object] = {}  # id(target sequence) -> its draft sequence
+        self.vocab_size = tp.vocab_size
+
+    def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
+        from kiln.runtime.model_runner import plan_step
+        from kiln.runtime.scheduler import SchedulerOutput
+
+        drafts = [[] for _ in seqs]
+        live = []  # (position in seqs, draft sequence, tokens to propose)
+        out, budget = SchedulerOutput(), self.max_num_tokens
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            d = self._follow(seq)
+            n = d.num_tokens - d.num_computed_tokens
+            if n > budget or not self.kv.allocate_slots(d, n + k):
+                continue  # no room this step: the target decodes it plainly
+            budget -= n
+            out.scheduled.append((d, n))
+            live.append((i, d, k))
+        for _ in range(max((k for *_, k in live), default=0)):
+            if not out.scheduled:
+                break
+            plan = plan_step(out, self.kv.tokens_per_block, self.kv.block_tables)
+            logits = self.executor.execute(plan.inputs)
+            tokens = logits[[row for _, row in plan.sample]].argmax(-1).tolist()
+            nxt = SchedulerOutput()
+            for (d, n), (i, _, k), token in zip(out.scheduled, live, tokens):
+                d.num_computed_tokens += n
+                d.token_ids.append(token)
+                drafts[i].append(token)
+                if len(drafts[i]) < k:
+                    nxt.scheduled.append((d, 1))
+            live = [entry for entry in live if len(drafts[entry[0]]) < entry[2]]
+            out = nxt
+        return drafts
+
+    def _follow(self, seq):
+        """The draft sequence of a target sequence, its tokens made the target's, keeping the K/V
+        of the prefix the two agree on."""
+        from kiln.runtime.sampling_params import SamplingParams
+        from kiln.runtime.sequence import Request, Sequence
+
+        d = self.seqs.get(id(seq))
+        if d is None:
+            req = Request("draft", seq.request.prompt_token_ids, SamplingParams(), seq.request.max_tokens)
+            d = self.seqs[id(seq)] = Sequence(req, 0, [])
+        target = seq.token_ids
+        agree = 0
+        limit = min(d.num_computed_tokens, len(target))
+        while agree < limit and d.token_ids[agree] == target[agree]:
+            agree += 1
+        d.token_ids = list(target)
+        d.num_computed_tokens = agree
+        return d
+
+    def prune(self, live: set[int]) -> None:
+        """Drop the draft state of target sequences that no longer run (finished, preempted)."""
+        for key in [k for k in self.seqs if k not in live]:
+            self.kv.free(self.seqs.pop(key))
+
+
+def _check_compatible(draft_dir: Path, draft, target_dir: Path, target) -> None:
+    tp, dp = target.pretrained_config, draft.pretrained_config
+    if dp.vocab_size != tp.vocab_size:
+        raise ConfigError(f"draft engine {draft_dir} has vocab_size {dp.vocab_size}, the target {tp.vocab_size}: "
+                          f"speculation needs the same tokenizer")
+    for name in ("tokenizer.json", "tokenizer.model"):
+        a, b = draft_dir / name, target_dir / name
+        if a.is_file() and b.is_file() and a.read_bytes() != b.read_bytes():
+            raise ConfigError(f"draft engine {draft_dir} has another {name} than the target engine "
+                              f"{target_dir}: speculation needs the same tokenizer")
+    if draft.build_config.max_seq_len < target.build_config.max_seq_len:
+        raise ConfigError(f"draft engine {draft_dir} has max_seq_len {draft.build_config.max_seq_len}, below the "
+                          f"target's {target.build_config.max_seq_len}")
+
+
+def make_proposer(config: SpeculativeConfig | None, target_dir, target_config, max_batch_size: int):
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config)
+    return DraftProposer(config, target_dir, target_config, max_batch_size)
+
+
+def target_probs(sampler, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """[R, V] the distribution the sampler draws each row's token from: min_tokens masking and the
+    penalties, then one-hot argmax (greedy rows) or temperature, top-k, top-p, min-p, softmax."""
+    x = sampler.process_logits(logits, rows)
+    probs = torch.zeros_like(x)
+    for i, r in enumerate(rows):
+        if r.params.greedy:
+            probs[i, x[i].argmax()] = 1.0
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        s = TorchSampler.truncate(x[sampled], [rows[i].params for i in sampled])
+        probs[sampled] = s.softmax(-1)
+    return probs
+
+
+@dataclass
+class Verified:
+    token_ids: list[int]  # the accepted drafts, then a corrected or bonus token
+    logprobs: list[dict[int, float]] | None
+    num_accepted: int
+
+
+def verify(sampler, logits: torch.Tensor, rows: list[SampleRow], drafts: list[list[int]]) -> list[Verified]:
+    """Each sequence's drafts against its len(drafts) + 1 logits rows (consecutive in `logits`, in
+    order); `rows` holds one SampleRow per sequence, as of before the step."""
+    position_rows, starts = [], []
+    for row, d in zip(rows, drafts):
+        starts.append(len(position_rows))
+        for j in range(len(d) + 1):  # position j sees the drafts before it as output
+            position_rows.append(SampleRow(row.params, row.prompt_token_ids, list(row.output_token_ids) + d[:j],
+                                           row.generator, row.eos_token_ids))
+    probs = target_probs(sampler, logits, position_rows)
+    key = call_key(rows)
+    results = []
+    for i, (row, d, start) in enumerate(zip(rows, drafts, starts)):
+        seed, stream = draw_stream(row, i, key)
+        emitted, done = [], False
+        for j in range(len(d) + 1):
+            p, t = probs[start + j], len(row.output_token_ids) + j
+            if row.params.greedy:
+                token = int(p.argmax())
+            elif j < len(d) and draw_uniform(seed, stream, t, ACCEPT_ROUND) < float(p[d[j]]):
+                token = d[j]
+            else:
+                if j < len(d):  # rejected: the residual max(p - q, 0) with q one-hot at the draft
+                    p = p.clone()
+                    p[d[j]] = 0
+                cdf = p.double().cumsum(0)
+                u = draw_uniform(seed, stream, t, RESIDUAL_ROUND) * float(cdf[-1])
+                token = min(int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True)),
+                            p.shape[0] - 1)
+            emitted.append(token)
+            if j == len(d) or token != d[j]:
+                done = True
+            if done:
+                break
+        lps = None
+        if row.params.logprobs is not None:
+            lp = torch.log_softmax(logits[start:start + len(emitted)].float(), -1)
+            lps, _ = _logprob_dicts(lp, torch.tensor(emitted), [row.params.logprobs] * len(emitted), False)
+        results.append(Verified(emitted, lps, len(emitted) - 1))
+    return results

@@ -109,7 +109,7 @@ class LLMEngine:
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seed = req.params.seed
         return Sequence(req, index, token_ids,
-                        generator=None if seed is None else make_generator(seed + index),
+                        generator=None if seed is None else make_generator(seed, index),
                         detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                            req.params.skip_special_tokens))
 

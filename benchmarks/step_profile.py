@@ -3,7 +3,9 @@
 Decodes --batch sequences through `LLMEngine.step` and splits each step's wall time into scheduling,
 building the input tensors, the engine call, sampling and the rest (appending tokens, detokenizing,
 stop checks, building outputs), by timing the methods `step` calls. Reported per step, as mean
-milliseconds and as a share of the step.
+milliseconds and as a share of the step, greedy and then with --sampled parameters (by default the
+issue's `temperature 0.8, top_p 0.95, top_k 50, repetition_penalty 1.1`; "" for greedy only), with
+the sampled run's throughput as a share of the greedy one's, measured in the same run.
 
   python benchmarks/step_profile.py --engine_dir bench_out/throughput/engine_aoti_bfloat16 --batch 1 16
 """
@@ -69,21 +71,33 @@ def main():
     ap.add_argument("--input_len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    ap.add_argument("--top_p", type=float, default=1.0)
+    ap.add_argument("--sampled", default="temperature=0.8,top_p=0.95,top_k=50,repetition_penalty=1.1",
+                    help="sampling parameters of the second run, k=v,...; empty: greedy only")
+    ap.add_argument("--sampler", default=None, choices=["auto", "cpp", "torch"], help="the Sampler backend")
     args = ap.parse_args()
 
     from kiln.runtime.llm_engine import LLMEngine
+    from kiln.runtime.sampler import Sampler
 
     engine = LLMEngine(args.engine_dir, threads=args.threads)
-    print(f"{'batch':>5} {'step ms':>8} " + " ".join(f"{p:>14}" for p in PHASES) + f" {'host':>14}")
+    engine.sampler = Sampler(args.sampler)
+    runs = {"greedy": {}}
+    for item in filter(None, args.sampled.split(",")):
+        key, value = item.split("=")
+        runs.setdefault("sampled", {})[key.strip()] = int(value) if key.strip() == "top_k" else float(value)
+    print(f"sampler: {engine.sampler.backend}; sampled: {args.sampled or '-'}")
+    print(f"{'batch':>5} {'run':>8} {'step ms':>8} " + " ".join(f"{p:>14}" for p in PHASES) + f" {'host':>14}")
     for batch in args.batch:
-        sampling = dict(temperature=args.temperature, top_p=args.top_p)
-        profile(engine, batch, args.input_len, 4, **sampling)  # warm-up
-        r = profile(engine, batch, args.input_len, args.steps, **sampling)
-        host = r["step"] - r["engine"]
-        cells = " ".join(f"{r[p]:>6.2f} ({r[p] / r['step']:>4.0%})" for p in PHASES)
-        print(f"{batch:>5} {r['step']:>8.2f} {cells} {host:>6.2f} ({host / r['step']:>4.0%})")
+        steps = {}
+        for name, sampling in runs.items():
+            profile(engine, batch, args.input_len, 4, **sampling)  # warm-up
+            r = profile(engine, batch, args.input_len, args.steps, **sampling)
+            steps[name] = r["step"]
+            host = r["step"] - r["engine"]
+            cells = " ".join(f"{r[p]:>6.2f} ({r[p] / r['step']:>4.0%})" for p in PHASES)
+            print(f"{batch:>5} {name:>8} {r['step']:>8.2f} {cells} {host:>6.2f} ({host / r['step']:>4.0%})")
+        if "sampled" in steps:
+            print(f"{batch:>5} sampled throughput / greedy: {steps['greedy'] / steps['sampled']:.2f}x")
     print(f"threads: {torch.get_num_threads()}")
 
 

@@ -78,25 +78,32 @@ def main():
     ap.add_argument("--input_len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--sampler", default=None, choices=["auto", "cpp", "torch"], help="the Sampler backend")
     args = ap.parse_args()
 
     from kiln.runtime.llm_engine import LLMEngine
+    from kiln.runtime.sampler import Sampler
     from kiln.utils import cpu_summary
 
     print(cpu_summary())
     engine = LLMEngine(args.engine_dir, threads=args.threads)
+    engine.core.sampler = Sampler(args.sampler)
     limit = engine.core.scheduler.max_batch_size
+    print(f"sampler: {engine.core.sampler.backend}; sampled: {SAMPLED}")
     print(f"{'batch':>5} {'sampling':>8} {'step ms':>8} " + " ".join(f"{p:>14}" for p in PHASES) + f" {'host':>14}")
     for batch in args.batch:
         if batch > limit:
             print(f"{batch:>5} skipped: over the engine's max_batch_size ({limit})")
             continue
+        steps = {}
         for label, sampling in (("greedy", {}), ("sampled", SAMPLED)):
             profile(engine, batch, args.input_len, 4, **sampling)  # warm-up
             r = profile(engine, batch, args.input_len, args.steps, **sampling)
+            steps[label] = r["step"]
             host = r["step"] - r["engine"]
             cells = " ".join(f"{r[p]:>6.2f} ({r[p] / r['step']:>4.0%})" for p in PHASES)
             print(f"{batch:>5} {label:>8} {r['step']:>8.2f} {cells} {host:>6.2f} ({host / r['step']:>4.0%})")
+        print(f"{batch:>5} sampled throughput / greedy: {steps['greedy'] / steps['sampled']:.2f}x")
     print(f"threads: {torch.get_num_threads()}")
 
 

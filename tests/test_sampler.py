@@ -1,5 +1,9 @@
 """Sampler and SamplingParams: validation, greedy, seeded reproducibility, distributions,
-truncation (top-k/top-p/min-p), penalties, min_tokens, logprobs. Tiny vocabularies, CPU only."""
+truncation (top-k/top-p/min-p), penalties, min_tokens, logprobs. CPU only.
+
+The behavioural tests run against both samplers (the `sampler` fixture): the torch reference (the
+spec) and the kiln_cpp one. test_sampler_cpp.py holds the C++ one to the reference exactly where
+the math is deterministic, at real vocabulary sizes."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kiln.runtime.sampler import (SampleRow, Sampler, compute_prompt_logprobs, make_generator)
+from kiln.runtime.sampler import SampleRow, Sampler, compute_prompt_logprobs, make_generator
 from kiln.runtime.sampling_params import SamplingParams
 
 # Significance level for the goodness-of-fit tests. Every draw uses a fixed seed, so the tests
@@ -35,11 +39,16 @@ def row(params: SamplingParams | None = None, prompt=(), output=(), generator=No
     return SampleRow(params or SamplingParams(), list(prompt), list(output), generator, tuple(eos))
 
 
-def draw(logits_row: torch.Tensor, params: SamplingParams, n: int = DRAWS, seed: int = 0):
+@pytest.fixture(params=["torch", "cpp"])
+def sampler(request):
+    return Sampler(request.param)
+
+
+def draw(sampler, logits_row: torch.Tensor, params: SamplingParams, n: int = DRAWS, seed: int = 0):
     """Token counts of n draws from one logits row (one batched call of n identical rows)."""
     torch.manual_seed(seed)
     logits = logits_row.unsqueeze(0).expand(n, -1).contiguous()
-    out = Sampler()(logits, [row(params) for _ in range(n)])
+    out = sampler(logits, [row(params) for _ in range(n)])
     return torch.bincount(torch.tensor(out.token_ids), minlength=logits_row.shape[0])
 
 
@@ -76,46 +85,46 @@ def test_params_defaults_normalization_and_greedy():
 
 
 # --------------------------------------------------------------------------- greedy
-def test_greedy_is_argmax_and_logits_untouched():
+def test_greedy_is_argmax_and_logits_untouched(sampler):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 50, generator=g)
     before = logits.clone()
-    out = Sampler()(logits, [row(SamplingParams(temperature=0.0)) for _ in range(6)])
+    out = sampler(logits, [row(SamplingParams(temperature=0.0)) for _ in range(6)])
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 6
     # a mixed batch with penalties/min_tokens must not modify the caller's logits either
     rows = [row(SamplingParams(temperature=0.5, repetition_penalty=1.3, min_tokens=2), [1, 2],
                 [3], eos=[0]) for _ in range(6)]
-    Sampler()(logits, rows)
+    sampler(logits, rows)
     assert torch.equal(logits, before)
 
 
-def test_top_k_1_equals_greedy():
+def test_top_k_1_equals_greedy(sampler):
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(16, 40, generator=g) * 3
     prompt, output = [1, 5, 7], [5, 9, 9]
     for extra in ({}, {"repetition_penalty": 1.5, "frequency_penalty": 0.5}):
-        greedy = Sampler()(logits, [row(SamplingParams(temperature=0, **extra), prompt, output)
-                                    for _ in range(16)])
-        topk1 = Sampler()(logits, [row(SamplingParams(temperature=1.7, top_k=1, seed=s, **extra),
-                                       prompt, output, make_generator(s)) for s in range(16)])
+        greedy = sampler(logits, [row(SamplingParams(temperature=0, **extra), prompt, output)
+                                  for _ in range(16)])
+        topk1 = sampler(logits, [row(SamplingParams(temperature=1.7, top_k=1, seed=s, **extra),
+                                     prompt, output, make_generator(s)) for s in range(16)])
         assert topk1.token_ids == greedy.token_ids
 
 
-def test_mixed_greedy_and_sampled_rows():
+def test_mixed_greedy_and_sampled_rows(sampler):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 30, generator=g)
     logits[1, 7] = 100.0  # sampled row with a certain outcome
     logits[3, 11] = 100.0
     rows = [row(SamplingParams(temperature=0)), row(), row(SamplingParams(temperature=0)),
             row(SamplingParams(top_p=0.5)), row(SamplingParams(temperature=0))]
-    out = Sampler()(logits, rows)
+    out = sampler(logits, rows)
     am = logits.argmax(-1).tolist()
     assert out.token_ids == [am[0], 7, am[2], 11, am[4]]
 
 
 # --------------------------------------------------------------------------- seeds
-def _run_seeded(seed, logits_seq, position, others):
+def _run_seeded(sampler, seed, logits_seq, position, others):
     """Sample a seeded row over several steps at ``position`` among ``others`` rows."""
     gen = make_generator(seed)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
@@ -133,40 +142,40 @@ def _run_seeded(seed, logits_seq, position, others):
             else:
                 rows.append(row(SamplingParams(temperature=0.5, min_p=0.1)))
                 batch.append(torch.randn(step_logits.shape[0]))
-        toks.append(Sampler()(torch.stack(batch), rows).token_ids[position])
+        toks.append(sampler(torch.stack(batch), rows).token_ids[position])
     return toks
 
 
-def test_seeded_sampling_reproducible_across_batch_composition():
+def test_seeded_sampling_reproducible_across_batch_composition(sampler):
     g = torch.Generator().manual_seed(4)
     logits_seq = [torch.randn(64, generator=g) for _ in range(12)]
     torch.manual_seed(0)
-    alone = _run_seeded(7, logits_seq, 0, 0)
+    alone = _run_seeded(sampler, 7, logits_seq, 0, 0)
     torch.manual_seed(123)
-    mixed = _run_seeded(7, logits_seq, 3, 5)
+    mixed = _run_seeded(sampler, 7, logits_seq, 3, 5)
     torch.manual_seed(999)
-    first = _run_seeded(7, logits_seq, 0, 4)
+    first = _run_seeded(sampler, 7, logits_seq, 0, 4)
     assert alone == mixed == first
-    assert _run_seeded(8, logits_seq, 0, 0) != alone
+    assert _run_seeded(sampler, 8, logits_seq, 0, 0) != alone
 
 
 # --------------------------------------------------------------------------- distributions
-def test_temperature_sampling_matches_softmax():
+def test_temperature_sampling_matches_softmax(sampler):
     logits = torch.tensor([1.0, 0.5, -0.3, 2.0, 0.0, -1.0, 1.2, 0.7])
     for temp in (1.0, 0.7, 1.8):
-        counts = draw(logits, SamplingParams(temperature=temp), seed=int(temp * 10))
+        counts = draw(sampler, logits, SamplingParams(temperature=temp), seed=int(temp * 10))
         assert chi2_pvalue(counts, torch.softmax(logits / temp, -1)) > ALPHA
     # the test has power: the untempered distribution is rejected for temperature 0.7
-    counts = draw(logits, SamplingParams(temperature=0.7), seed=7)
+    counts = draw(sampler, logits, SamplingParams(temperature=0.7), seed=7)
     assert chi2_pvalue(counts, torch.softmax(logits, -1)) < 1e-10
 
 
-def test_seeded_rows_match_softmax():
+def test_seeded_rows_match_softmax(sampler):
     logits = torch.tensor([0.2, 1.5, -0.5, 0.9, 0.0, 1.1, -2.0, 0.4])
     n = 4000
     batch = logits.unsqueeze(0).expand(n, -1).contiguous()
-    out = Sampler()(batch, [row(SamplingParams(seed=s), generator=make_generator(s))
-                            for s in range(n)])
+    out = sampler(batch, [row(SamplingParams(seed=s), generator=make_generator(s))
+                          for s in range(n)])
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=8)
     assert chi2_pvalue(counts, torch.softmax(logits, -1)) > ALPHA
 
@@ -203,17 +212,17 @@ def reference_filter(logits: torch.Tensor, temp=1.0, top_k=0, top_p=1.0, min_p=0
     {"min_p": 0.3}, {"min_p": 0.3, "temperature": 2.0},
     {"top_k": 6, "top_p": 0.9, "min_p": 0.1, "temperature": 1.4},
 ])
-def test_truncation_support_and_frequencies(kw):
+def test_truncation_support_and_frequencies(kw, sampler):
     logits = torch.tensor([1.0, 0.5, -0.3, 2.0, 0.0, -1.0, 1.2, 0.7])
     ref = reference_filter(logits, kw.get("temperature", 1.0), kw.get("top_k", 0),
                            kw.get("top_p", 1.0), kw.get("min_p", 0.0))
     assert 1 < int((ref > 0).sum()) < 8  # the filter does cut something, and leaves a choice
-    counts = draw(logits, SamplingParams(**kw), seed=11)
+    counts = draw(sampler, logits, SamplingParams(**kw), seed=11)
     assert counts[ref == 0].sum() == 0, f"sampled outside the allowed set: {counts}"
     assert chi2_pvalue(counts, ref) > ALPHA
 
 
-def test_truncation_per_row_in_mixed_batch():
+def test_truncation_per_row_in_mixed_batch(sampler):
     """Different filters on interleaved rows of one batch each keep their own allowed set."""
     logits = torch.tensor([1.0, 0.5, -0.3, 2.0, 0.0, -1.0, 1.2, 0.7])
     kws = [{"top_k": 2}, {"top_p": 0.6}, {"min_p": 0.5}, {}]
@@ -221,7 +230,7 @@ def test_truncation_per_row_in_mixed_batch():
     params = [SamplingParams(**k) for k in kws]
     torch.manual_seed(5)
     batch = logits.unsqueeze(0).expand(n * len(kws), -1).contiguous()
-    out = Sampler()(batch, [row(params[i % len(kws)]) for i in range(n * len(kws))])
+    out = sampler(batch, [row(params[i % len(kws)]) for i in range(n * len(kws))])
     toks = torch.tensor(out.token_ids)
     for j, k in enumerate(kws):
         ref = reference_filter(logits, **k)
@@ -240,7 +249,7 @@ def reference_penalties(logits, prompt, output, rep, freq, pres):
     return x
 
 
-def test_penalties_match_reference_formulas():
+def test_penalties_match_reference_formulas(sampler):
     g = torch.Generator().manual_seed(6)
     V = 24
     logits = torch.randn(4, V, generator=g) * 2
@@ -252,27 +261,27 @@ def test_penalties_match_reference_formulas():
     ]
     rows = [row(SamplingParams(temperature=0, repetition_penalty=r, frequency_penalty=f,
                                presence_penalty=p), pr, out) for pr, out, r, f, p in cases]
-    got = Sampler().process_logits(logits, rows)
+    got = sampler.process_logits(logits, rows)
     for i, (pr, out, r, f, p) in enumerate(cases):
         torch.testing.assert_close(got[i], reference_penalties(logits[i], pr, out, r, f, p),
                                    rtol=0, atol=1e-6)
     # greedy takes the argmax of the penalized logits
-    assert Sampler()(logits, rows).token_ids == got.argmax(-1).tolist()
+    assert sampler(logits, rows).token_ids == got.argmax(-1).tolist()
 
 
-def test_repetition_penalty_changes_greedy_choice():
+def test_repetition_penalty_changes_greedy_choice(sampler):
     logits = torch.tensor([[0.0, 3.0, 2.5, -1.0]])
     p = SamplingParams(temperature=0, repetition_penalty=1.5)
-    assert Sampler()(logits, [row(p, [1], [])]).token_ids == [2]  # 3.0/1.5 = 2.0 < 2.5
-    assert Sampler()(logits, [row(p, [0], [])]).token_ids == [1]
+    assert sampler(logits, [row(p, [1], [])]).token_ids == [2]  # 3.0/1.5 = 2.0 < 2.5
+    assert sampler(logits, [row(p, [0], [])]).token_ids == [1]
 
 
 # --------------------------------------------------------------------------- min_tokens
-def test_min_tokens_blocks_eos_and_stop_ids():
+def test_min_tokens_blocks_eos_and_stop_ids(sampler):
     V, eos = 10, 2
     logits = torch.zeros(1, V)
     logits[0, eos], logits[0, 5], logits[0, 7] = 50.0, 40.0, 30.0
-    s = Sampler()
+    s = sampler
     greedy = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5])
     assert s(logits, [row(greedy, output=[1], eos=[eos])]).token_ids == [7]
     # reached min_tokens: eos is allowed again
@@ -289,7 +298,7 @@ def test_min_tokens_blocks_eos_and_stop_ids():
 
 
 # --------------------------------------------------------------------------- logprobs
-def test_logprobs_from_raw_logits_include_sampled_and_top_n():
+def test_logprobs_from_raw_logits_include_sampled_and_top_n(sampler):
     g = torch.Generator().manual_seed(8)
     V = 30
     logits = torch.randn(4, V, generator=g) * 2
@@ -300,7 +309,7 @@ def test_logprobs_from_raw_logits_include_sampled_and_top_n():
         row(SamplingParams()),  # no logprobs
         row(SamplingParams(top_k=4, logprobs=5, seed=1), generator=make_generator(1)),
     ]
-    out = Sampler()(logits, rows)
+    out = sampler(logits, rows)
     ref = torch.log_softmax(logits, -1)
     assert out.logprobs[2] is None and out.ranks[2] is None
     for i, n in ((0, 3), (1, 0), (3, 5)):

@@ -2,7 +2,9 @@
 
 `torch.ops.kiln_cpp.paged_attention` is a `TORCH_LIBRARY` op (CPU kernel + Meta kernel) in a shared
 library built with `torch.utils.cpp_extension`. Being C++, an AOTInductor package that calls it runs
-wherever that library is loaded, with or without Python (DESIGN.md, constraint 4).
+wherever that library is loaded, with or without Python (DESIGN.md, constraint 4). The same library
+holds the GEMM (`kiln_cpp::gemm`) and the runtime's token sampler (`kiln_cpp::sample`, used by
+kiln/runtime/sampler.py).
 
 Importing this module is cheap; `load()` (or `ensure_built()`) builds the library once per source
 and torch version and loads it. The build cache lives under $KILN_CACHE_DIR (default ~/.cache/kiln)
@@ -33,8 +35,10 @@ CSRC = Path(__file__).parent / "csrc"
 # Registration first: on ELF the linker keeps the first copy of an inline function it meets, so
 # code shared with the AVX2/AVX-512 files comes from a file built without those target options.
 SOURCES = ("paged_attention.cpp", "gemm.cpp", "kernels_default.cpp", "kernels_avx2.cpp",
-           "paged_attention_avx512.cpp")
-HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_x86.h", "gemm.h", "gemm_kernel.h")
+           "paged_attention_avx512.cpp", "sampler.cpp", "sampler_default.cpp", "sampler_avx2.cpp",
+           "sampler_avx512.cpp")
+HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_x86.h", "gemm.h", "gemm_kernel.h",
+           "sampler.h", "sampler_kernel.h")
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with
 # OpenMP; libgomp resolves to the copy libtorch already loaded (same soname), so one thread pool.
 CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-Wall", "-Wno-unused-parameter"]

@@ -144,7 +144,7 @@ class EngineCore:
 
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seed = req.params.seed
-        return Sequence(req, index, token_ids, generator=None if seed is None else make_generator(seed + index))
+        return Sequence(req, index, token_ids, generator=None if seed is None else make_generator(seed, index))
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """End the request, or only its sample `index` (a stop string the frontend found, which it

@@ -10,19 +10,27 @@ Order of operations for each row, as vLLM:
 4. greedy rows (temperature ~0 or top_k == 1) take the argmax of the penalized logits;
 5. the others: divide by temperature, top-k (ties with the k-th value are kept), top-p (smallest
    set of top tokens whose probability reaches p), min-p (drop tokens with
-   ``prob < min_p * max_prob``), then sample by inverse CDF (one uniform draw per row, from the
-   row's own ``torch.Generator`` when it has one, so seeded rows are reproducible whatever else is
-   in the batch).
+   ``prob < min_p * max_prob``), then sample by inverse CDF (one uniform draw per row).
+
+A draw's uniform is a hash of (seed, stream, output position): for a seeded row (its
+``generator``, from ``make_generator(seed, index)``) the request's seed and the sample's index, so
+seeded rows are reproducible whatever else is in the batch, with no state to carry (a preempted and
+recomputed sequence draws the same again); for the others a key drawn once per call from torch's
+default generator and the row's place in the batch.
 
 Logprobs (``params.logprobs``) come from ``log_softmax`` of the RAW logits (vLLM v1), before
 penalties and temperature.
 
-The work is vectorized over the batch; host work per step is O(rows + penalized tokens). Stages
-no row needs are skipped (an all-greedy batch without penalties is a single argmax).
+``TorchSampler`` is this spec, vectorized over the batch with torch ops; ``Sampler`` runs the
+kiln_cpp library's one-pass sampler (kiln/plugins/csrc/sampler.cpp: no sort of the vocabulary,
+top-p by rejection sampling, so its seeded draws differ from this one's wherever top-p cuts) when
+the library is built and the logits are on the CPU, and ``TorchSampler`` otherwise.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -30,7 +38,17 @@ import torch
 
 from kiln.runtime.sampling_params import SamplingParams
 
-__all__ = ["SampleRow", "SampleOutput", "Sampler", "compute_prompt_logprobs", "make_generator"]
+__all__ = ["SampleRow", "SampleOutput", "Sampler", "TorchSampler", "SeedGenerator", "compute_prompt_logprobs",
+           "make_generator"]
+
+
+@dataclass(frozen=True)
+class SeedGenerator:
+    """A seeded sample's draws: counter-based, the uniform for output position t is a hash of
+    (seed, index, t), so it needs no state and two samples of one request are independent."""
+
+    seed: int
+    index: int = 0  # which of the request's n samples
 
 
 @dataclass
@@ -40,7 +58,7 @@ class SampleRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far by this sequence
-    generator: torch.Generator | None = None  # per-request seeded generator; None = global RNG
+    generator: SeedGenerator | None = None  # a seeded request's draws; None = the process RNG
     eos_token_ids: tuple[int, ...] = ()
 
 
@@ -54,11 +72,48 @@ class SampleOutput:
     ranks: list[int | None] = field(default_factory=list)
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator for a seeded request; it must live on the logits' device."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+def make_generator(seed: int, index: int = 0) -> SeedGenerator:
+    """The draws of sample ``index`` of a request seeded with ``seed`` (any int)."""
+    return SeedGenerator(seed, index)
+
+
+_M64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _absorb(h: int, word: int) -> int:
+    """splitmix64's mix of (h ^ word) + gamma; sampler_kernel.h has the same."""
+    z = ((h ^ (word & _M64)) + _GAMMA) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def draw_uniform(seed: int, stream: int, position: int, round: int = 0) -> float:
+    """The uniform in [0, 1) (53 bits) of draw ``round`` at output ``position`` of (seed, stream)."""
+    h = _GAMMA
+    for word in (seed, stream, position):
+        h = _absorb(h, word)
+    return (_absorb(h, round) >> 11) * 2.0 ** -53
+
+
+def call_key(rows: Sequence[SampleRow]) -> int:
+    """The key of a call's unseeded sampled rows: one draw from torch's default generator, made only
+    when the call has such a row (seeded and greedy batches leave the generator alone)."""
+    if any(r.generator is None and not r.params.greedy for r in rows):
+        return int(torch.empty((), dtype=torch.int64).random_())
+    return 0
+
+
+def draw_stream(row: SampleRow, j: int, key: int) -> tuple[int, int]:
+    """(seed, stream) of row ``j`` of a batch: its generator's, or the call's key and ``j``."""
+    g = row.generator
+    if g is None:
+        return key, j
+    if not isinstance(g, SeedGenerator):
+        raise TypeError(f"SampleRow.generator must be a SeedGenerator (make_generator(seed, index)) or "
+                        f"None, got {type(g).__name__}")
+    return g.seed, g.index
 
 
 def _logprob_dicts(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
@@ -126,8 +181,9 @@ def top_p_drop(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return drop
 
 
-class Sampler:
-    """``Sampler()(logits [N, V], rows) -> SampleOutput``. Does not modify ``logits``."""
+class TorchSampler:
+    """The reference sampler (the spec above) in torch ops, on any device.
+    ``TorchSampler()(logits [N, V], rows) -> SampleOutput``. Does not modify ``logits``."""
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -152,11 +208,12 @@ class Sampler:
             if g_idx:
                 gi = torch.tensor(g_idx, device=device)
                 sampled[gi] = x[gi].argmax(dim=-1)
+            key = call_key(rows)
             if len(s_idx) == N:
-                sampled = self._sample(x.clone() if x is raw else x, rows, s_idx)
+                sampled = self._sample(x.clone() if x is raw else x, rows, s_idx, key)
             else:
                 si = torch.tensor(s_idx, device=device)
-                sampled[si] = self._sample(x[si], rows, s_idx)
+                sampled[si] = self._sample(x[si], rows, s_idx, key)
 
         # ---- logprobs from the raw logits -------------------------------------------------
         token_ids = sampled.tolist()
@@ -262,10 +319,26 @@ class Sampler:
         return x
 
     @staticmethod
-    def _sample(s: torch.Tensor, rows: Sequence[SampleRow], s_idx: list[int]) -> torch.Tensor:
+    def _sample(s: torch.Tensor, rows: Sequence[SampleRow], s_idx: list[int], key: int) -> torch.Tensor:
         """Sample one token per row of ``s`` (a private [K, V] copy, modified in place)."""
-        device, (K, V) = s.device, s.shape
-        params = [rows[i].params for i in s_idx]
+        V = s.shape[1]
+        TorchSampler.truncate(s, [rows[i].params for i in s_idx])
+        # Inverse CDF: one uniform draw per row (V exponentials per row cost ~10x more on CPU), the
+        # CDF in float64 so that no token's interval is lost to rounding in a large vocabulary.
+        cdf = s.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)
+        u = torch.tensor([draw_uniform(*draw_stream(rows[i], i, key), len(rows[i].output_token_ids))
+                          for i in s_idx], dtype=torch.float64, device=s.device).unsqueeze(1)
+        # right=True: the first token whose interval ends past u, so a token of probability 0 (an
+        # interval of width 0) is never drawn.
+        token = torch.searchsorted(cdf, u.mul_(cdf[:, -1:]), right=True).squeeze(1)
+        return token.clamp_(max=V - 1)
+
+    @staticmethod
+    def truncate(s: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Step 5 before the draw, in place on the penalized logits ``s`` (one row per params):
+        temperature, then -inf outside each row's top-k, top-p and min-p sets. Its softmax is the
+        distribution a sampled row is drawn from (speculative decoding verifies against it)."""
+        device, V = s.device, s.shape[1]
         ninf = float("-inf")
 
         temps = [p.temperature for p in params]
@@ -289,20 +362,63 @@ class Sampler:
             mx = s.max(dim=-1, keepdim=True).values
             logmp = torch.tensor(mps, dtype=torch.float32, device=device).log().unsqueeze(1)
             s.masked_fill_(s - mx < logmp, ninf)
+        return s
 
-        # Inverse CDF: one uniform draw per row (V exponentials per row cost ~10x more on CPU).
-        cdf = s.softmax(dim=-1).cumsum_(dim=-1)
-        u = torch.empty((K, 1), dtype=cdf.dtype, device=device)
-        gens = [rows[i].generator for i in s_idx]
-        if all(g is None for g in gens):
-            u.uniform_()
-        else:
-            for j, g in enumerate(gens):
-                if g is not None and g.device.type != u.device.type:
-                    raise ValueError(f"generator of row {s_idx[j]} is on {g.device}, "
-                                     f"expected the logits' device {u.device}")
-                u[j].uniform_(generator=g)
-        # right=True: the first token whose interval ends past u, so a token of probability 0 (an
-        # interval of width 0) is never drawn.
-        token = torch.searchsorted(cdf, u.mul_(cdf[:, -1:]), right=True).squeeze(1)
-        return token.clamp_(max=V - 1)
+
+BACKENDS = ("auto", "cpp", "torch")
+_cpp_unavailable: str | None = None  # why the C++ sampler cannot load here, once known
+
+
+def _cpp_loads() -> bool:
+    global _cpp_unavailable
+    if _cpp_unavailable is None:
+        from kiln.plugins import cpp
+        try:
+            cpp.load()
+            _cpp_unavailable = ""
+        except cpp.PluginBuildError as e:
+            _cpp_unavailable = str(e)
+            warnings.warn(f"kiln: the C++ sampler is unavailable, sampling with torch ops instead: {e}",
+                          RuntimeWarning, stacklevel=4)
+    return not _cpp_unavailable
+
+
+class Sampler:
+    """``Sampler(backend)(logits [N, V], rows) -> SampleOutput``, the spec above. Does not modify
+    ``logits``. backend: "cpp" (kiln_cpp's sampler; CPU logits), "torch" (``TorchSampler``), or
+    "auto" (the default, or $KILN_SAMPLER): cpp for CPU logits where the library builds and loads
+    (built once, by `make install` or on first use), torch otherwise, with a warning saying why."""
+
+    def __init__(self, backend: str | None = None):
+        backend = backend or os.environ.get("KILN_SAMPLER") or "auto"
+        if backend not in BACKENDS:
+            raise ValueError(f"sampler backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if backend == "cpp":
+            from kiln.plugins import cpp
+            cpp.load()  # a PluginBuildError says why not
+        from kiln.runtime import sampler_cpp  # packs rows for the op; imports this module
+
+        self.backend = backend
+        self.torch = TorchSampler()
+        self.cpp = sampler_cpp
+
+    def _use_cpp(self, logits: torch.Tensor) -> bool:
+        if self.backend == "torch":
+            return False
+        if logits.device.type != "cpu":
+            if self.backend == "cpp":
+                raise ValueError(f"the cpp sampler takes CPU logits, got logits on {logits.device}")
+            return False
+        return self.backend == "cpp" or _cpp_loads()
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
+        if not self._use_cpp(logits):
+            return self.torch(logits, rows)
+        return self.cpp.sample(logits, rows)
+
+    def process_logits(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """The logits after min_tokens masking and the penalties (steps 1-3), as a new float32
+        tensor: what greedy rows take the argmax of, before temperature/top-k/top-p/min-p."""
+        if not self._use_cpp(logits):
+            return self.torch.process_logits(logits, rows)
+        return self.cpp.process_logits(logits, rows)

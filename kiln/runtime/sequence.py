@@ -3,8 +3,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from kiln.runtime.sampler import SeedGenerator
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -19,7 +18,7 @@ class Sequence:
     request: "Request"
     index: int  # which of the request's n samples
     token_ids: list[int]  # prompt + generated
-    generator: torch.Generator | None = None
+    generator: SeedGenerator | None = None  # a seeded request's draws (counter-based: nothing to carry)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)

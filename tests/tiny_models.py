@@ -45,6 +45,12 @@ VARIANTS = {
     # dynamic NTK with prompts that run past max_position_embeddings
     "llama_dynamic": ("LlamaConfig", "LlamaForCausalLM", dict(
         max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    # the llama above with its first layer only: a draft model for speculative decoding that agrees
+    # with it often, not always
+    "llama_draft": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_hidden_layers=1, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, tie_word_embeddings=False)),
     # qkv bias
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, use_sliding_window=False)),

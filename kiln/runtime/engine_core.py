@@ -262,6 +262,7 @@ class EngineCore:
         """Drafts for every decoding sequence, as many as its limits leave room for."""
         seqs, ks = [], []
         for seq in self.scheduler.running:
+            seq.draft_token_ids = []
             req = seq.request
             if req.forked and not seq.prefilling:
                 k = min(self.num_speculative_tokens, req.max_tokens - seq.num_output_tokens - 1,

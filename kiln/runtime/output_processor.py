@@ -42,6 +42,8 @@ class RequestState:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -72,6 +74,7 @@ class OutputProcessor:
             state.first_scheduled_time = o.first_scheduled_time
             state.first_token_time = state.first_token_time or o.first_token_time
             state.num_cached_tokens = o.num_cached_tokens
+            state.num_draft_tokens, state.num_accepted_tokens = o.num_draft_tokens, o.num_accepted_tokens
             if o.new_prompt_logprobs:
                 state.prompt_logprobs.extend(o.new_prompt_logprobs)
             for delta in o.samples:
@@ -150,7 +153,8 @@ class OutputProcessor:
             logprobs=list(s.logprobs) if want_lp else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in samples]
         metrics = RequestMetrics(state.arrival_time, state.first_scheduled_time, state.first_token_time,
-                                 state.finished_time, max((len(s.token_ids) for s in samples), default=0))
+                                 state.finished_time, max((len(s.token_ids) for s in samples), default=0),
+                                 state.num_draft_tokens, state.num_accepted_tokens)
         return RequestOutput(state.request_id, state.prompt, list(state.prompt_token_ids),
                              None if state.prompt_logprobs is None else list(state.prompt_logprobs),
                              outputs, state.finished, metrics, state.num_cached_tokens)

@@ -23,6 +23,9 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
     num_output_tokens: int
+    # Speculative decoding: tokens proposed for this request, and how many the target accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

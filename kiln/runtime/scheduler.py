@@ -136,6 +136,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

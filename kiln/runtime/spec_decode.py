@@ -69,23 +69,31 @@ class NgramProposer:
         return [self._lookup(seq.token_ids, k) for seq, k in zip(seqs, ks)]
 
     def _lookup(self, token_ids: list[int], k: int) -> list[int]:
-        """The k tokens after the latest earlier occurrence of the longest suffix n-gram."""
+        """The tokens after the latest earlier occurrence of the longest suffix n-gram that is
+        followed by k tokens (else after the latest one, however few follow it)."""
         data = array("i", token_ids).tobytes()
         for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
             suffix = data[-4 * n:]
-            end = len(data) - 4  # an occurrence that ends before the last token
-            while True:
-                pos = data.rfind(suffix, 0, end)
-                if pos < 0:
-                    break
-                if pos % 4 == 0:  # bytes.rfind can also match across token boundaries
-                    start = pos // 4 + n
-                    return token_ids[start:start + k]
-                end = pos + 4 * n - 1
+            for end in (len(data) - 4 * k, len(data) - 4):  # where the occurrence must end by
+                start = _rfind_aligned(data, suffix, end)
+                if start >= 0:
+                    return token_ids[start + n:start + n + k]
         return []
 
     def prune(self, live: set[int]) -> None:
         pass
+
+
+def _rfind_aligned(data: bytes, pattern: bytes, end: int) -> int:
+    """The token index of the latest occurrence of pattern (4-byte tokens) ending by byte `end`."""
+    while end >= len(pattern):
+        pos = data.rfind(pattern, 0, end)
+        if pos < 0:
+            return -1
+        if pos % 4 == 0:  # bytes.rfind also matches across token boundaries
+            return pos // 4
+        end = pos + len(pattern) - 1
+    return -1
 
 
 class DraftProposer:

@@ -46,6 +46,10 @@ def _both(name: str) -> tuple[str, str]:
 @click.option("--enable_prefix_caching/--no_enable_prefix_caching", "--enable-prefix-caching/"
               "--no-enable-prefix-caching", default=True, show_default=True,
               help="Reuse the KV blocks of prompt prefixes seen before (chat history, system prompts).")
+@click.option(*_both("speculative_config"), default=None,
+              help='Speculative decoding, as JSON (vLLM\'s names): {"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_max": 4} or {"method": "draft_model", "draft_engine_dir": DIR, '
+                   '"num_speculative_tokens": 4}.')
 @click.option(*_both("prefix_cache_seed"), type=int, default=None,
               help="Key of the prefix cache's block hashes (default: random per process, so that hashes "
                    "cannot be predicted across restarts).")
@@ -82,6 +86,15 @@ def serve(engine_dir, host, port, api_key, served_model_names, chat_template, ma
     elif chat_template is not None and "{" not in chat_template:
         raise click.BadParameter(f"{chat_template!r} is neither a file nor a Jinja template",
                                  param_hint="--chat_template")
+    if engine_args.get("speculative_config") is not None:
+        import json
+
+        from kiln.runtime.spec_decode import SpeculativeConfig
+        try:
+            engine_args["speculative_config"] = json.loads(engine_args["speculative_config"])
+            SpeculativeConfig.from_dict(engine_args["speculative_config"])
+        except (ValueError, ConfigError) as e:
+            raise click.BadParameter(str(e), param_hint="--speculative_config") from None
     if max_request_body_bytes < 1 or drain_timeout < 0:
         raise click.BadParameter("--max_request_body_bytes must be >= 1 and --drain_timeout >= 0")
     config = ServeConfig(engine_dir, {k: v for k, v in engine_args.items() if v is not None},

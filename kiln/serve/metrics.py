@@ -73,6 +73,19 @@ class EngineCollector(Collector):
                       s["prefix_cache_queries"])
         yield counter("prefix_cache_hits", "Prefix cache hits, in tokens (found cached, not computed).",
                       s["prefix_cache_hits"])
+        spec = s.get("spec")
+        if spec is not None:  # speculative decoding is on
+            yield counter("spec_decode_num_drafts", "Draft proposals verified (one per sequence and step).",
+                          spec["num_drafts"])
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec["num_draft_tokens"])
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
+                          spec["num_accepted_tokens"])
+            c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by their position in the proposal.",
+                                    labels=labels + ["position"])
+            for pos, n in enumerate(spec["accepted_per_pos"]):
+                c.add_metric([self.model_name, str(pos)], n)
+            yield c
 
 
 class ServerMetrics:

@@ -1,6 +1,7 @@
 """The engine core every frontend shares: requests in, one step at a time, outputs back."""
 import itertools
 import time
+from dataclasses import asdict
 
 import torch
 
@@ -13,6 +14,7 @@ from kiln.runtime.sampler import SampleRow, Sampler, compute_prompt_logprobs, ma
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import Request, Sequence
+from kiln.runtime.stats import IterationStats
 from kiln.runtime.threads import configure_threads
 
 
@@ -40,6 +42,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, self.max_batch_size, self.max_num_tokens, build.max_seq_len,
                                    scheduler_policy, enable_chunked_prefill)
         self.sampler = Sampler()
+        self.iteration_stats = IterationStats()
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = self._eos_token_ids()
         self._ids = itertools.count()
@@ -110,6 +113,7 @@ class LLMEngine:
         seed = req.params.seed
         return Sequence(req, index, token_ids,
                         generator=None if seed is None else make_generator(seed + index),
+                        generation_logits=[] if req.params.return_generation_logits else None,
                         detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                            req.params.skip_special_tokens))
 
@@ -129,13 +133,15 @@ class LLMEngine:
         return bool(self.requests)
 
     def get_stats(self) -> dict:
-        """Load and KV occupancy now: requests running (any sample scheduled) and waiting, KV blocks."""
+        """Load and KV occupancy now: requests running (any sample scheduled) and waiting, KV blocks;
+        and the steps so far (IterationStats)."""
         running = {s.request.request_id for s in self.scheduler.running}
         waiting = {s.request.request_id for s in self.scheduler.waiting} - running
         pool = self.kv.pool
         return dict(num_requests_running=len(running), num_requests_waiting=len(waiting),
                     num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free,
-                    kv_cache_usage=pool.usage, num_preemptions=self.scheduler.num_preemptions)
+                    kv_cache_usage=pool.usage, num_preemptions=self.scheduler.num_preemptions,
+                    **asdict(self.iteration_stats))
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -148,6 +154,7 @@ class LLMEngine:
             raise RuntimeError(f"request {seq.request.request_id} cannot be scheduled: the KV cache "
                                f"({self.kv.pool.num_blocks} blocks) cannot hold it")
         now = time.monotonic()
+        self.iteration_stats.record(out, self.scheduler)
         plan = plan_step(out, self.build_config.tokens_per_block)
         logits = self.engine(plan.inputs)
         touched = {}
@@ -160,6 +167,10 @@ class LLMEngine:
             req = seq.request
             targets = req.prompt_token_ids[first:first + len(rows)]
             req.prompt_logprobs.extend(compute_prompt_logprobs(logits[rows], targets, req.params.prompt_logprobs))
+        for seq, rows in plan.context_rows:
+            req = seq.request
+            done = logits[rows]
+            req.context_logits = done if req.context_logits is None else torch.cat([req.context_logits, done])
         self._sample(plan.sample, logits)
         return [self._output(req) for req in touched.values()]
 
@@ -190,6 +201,8 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             seq.token_ids.append(token)
+            if seq.generation_logits is not None:
+                seq.generation_logits.append(picked[i].clone())
             if req.params.logprobs is not None:
                 lp = result.logprobs[i]
                 seq.logprobs.append(lp)
@@ -256,12 +269,16 @@ class LLMEngine:
             index=s.index, text=s.detokenizer.text, token_ids=list(s.output_token_ids),
             cumulative_logprob=s.cumulative_logprob if req.params.logprobs is not None else None,
             logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.sequences]
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            generation_logits=None if s.generation_logits is None else list(s.generation_logits))
+            for s in req.sequences]
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  req.finished_time, max((s.num_output_tokens for s in req.sequences), default=0))
+        context = req.context_logits
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids),
                              None if req.prompt_logprobs is None else list(req.prompt_logprobs),
-                             outputs, req.finished, metrics)
+                             outputs, req.finished, metrics,
+                             context if context is not None and len(context) == req.num_prompt_tokens else None)
 
 
 def _bounded(name: str, value: int | None, limit: int) -> int:

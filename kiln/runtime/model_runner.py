@@ -14,6 +14,8 @@ class StepPlan:
     sample: list[tuple[Sequence, int]] = field(default_factory=list)
     # Prompt logprobs: (sequence, first prompt position predicted, logits rows).
     prompt_rows: list[tuple[Sequence, int, list[int]]] = field(default_factory=list)
+    # return_context_logits: (sequence, logits rows of the prompt positions it computes this step).
+    context_rows: list[tuple[Sequence, list[int]]] = field(default_factory=list)
 
 
 def _pad(rows: list[list[int]], value: int, min_width: int = 1) -> torch.Tensor:
@@ -52,6 +54,12 @@ def plan_step(out: SchedulerOutput, tokens_per_block: int) -> StepPlan:
             lo, hi = max(start, len(req.prompt_logprobs) - 1), min(end, req.num_prompt_tokens - 1)
             if lo < hi:
                 plan.prompt_rows.append((seq, lo + 1, list(range(len(logits_index), len(logits_index) + hi - lo))))
+                logits_index.extend(flat[lo - start: hi - start])
+        if req.params.return_context_logits:
+            done = 0 if req.context_logits is None else len(req.context_logits)
+            lo, hi = max(start, done), min(end, req.num_prompt_tokens)
+            if lo < hi:
+                plan.context_rows.append((seq, list(range(len(logits_index), len(logits_index) + hi - lo))))
                 logits_index.extend(flat[lo - start: hi - start])
         if end == seq.num_tokens:
             plan.sample.append((seq, len(logits_index)))

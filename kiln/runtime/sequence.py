@@ -29,6 +29,7 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     detokenizer: object = None  # kiln.runtime.detokenizer.IncrementalDetokenizer
+    generation_logits: list[torch.Tensor] | None = None  # return_generation_logits: one row per output token
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +66,7 @@ class Request:
     finished_time: float | None = None
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    context_logits: torch.Tensor | None = None  # return_context_logits: the prompt positions computed so far
     forked: bool = False  # the n samples exist (after the prompt's last chunk)
 
     @property

@@ -1,19 +1,19 @@
-"""The Triton backend as its users meet it: `kiln triton-repo` (and `--check`), then a real
-`tritonserver` started by `kiln triton-serve` on loopback ports, driven by tensorrtllm_backend's
-kind of clients (HTTP generate / generate_stream, `tritonclient.grpc` streams). Greedy outputs
+"""The Triton backend as its users meet it: a repository from `kiln triton-repo`, served by a real
+`tritonserver` that `kiln triton-serve` starts on loopback ports, driven the way tensorrtllm_backend's
+clients drive it (HTTP generate / generate_stream, `tritonclient.grpc` streams). Greedy outputs
 equal `LLM.generate`; 32 concurrent streams share the in-flight batch; cancellation by each of the
 three routes frees the request's KV blocks; bad input gets an error naming it and the server keeps
-serving; the dashboards' and alert rules' metric names exist on the real /metrics; SIGTERM drains
-(the last test: it stops the server)."""
+serving; the dashboards' and alert rules' metric names exist on the real /metrics of tritonserver
+and kiln serve; benchmarks/serving.py targets Triton; a non-decoupled repository answers once per
+request; SIGTERM drains (the last test: it stops the server). What needs no server is in
+tests/test_triton_repo.py."""
 import asyncio
 import json
 import os
 import queue
 import re
-import shutil
 import signal
 import socket
-import string
 import subprocess
 import sys
 import time
@@ -29,12 +29,6 @@ from click.testing import CliRunner
 from kiln import LLM, SamplingParams
 from kiln.cli import cli
 from kiln.runtime.detokenizer import IncrementalDetokenizer
-from kiln.runtime.outputs import CompletionOutput, RequestOutput
-from kiln.triton_backend import interface, repository
-from kiln.triton_backend.engine_io import Row, Tracker
-from kiln.triton_backend.parameters import PARAMETERS
-from kiln.triton_backend.sampling import SEMANTICS, markdown_table, sampling_fields
-from kiln.triton_backend.text import decode
 from tiny_models import PROMPTS
 
 ROOT = Path(__file__).parent.parent
@@ -96,6 +90,13 @@ class Triton:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def ready(server: Triton) -> bool:
+    try:
+        return httpx.get(f"{server.url}/v2/health/ready", timeout=5).status_code == 200
+    except httpx.TransportError:  # draining, Triton takes no new connections
+        return False
 
 
 def kv(m: dict, kind: str) -> float:
@@ -217,130 +218,24 @@ class Stream:
         self.client.close()
 
 
-# ------------------------------------------------------------------------- kiln triton-repo
-def test_templates_hold_exactly_the_parameters():
-    names = {m.group(1) for f in repository.TEMPLATES.rglob("config.pbtxt")
-             for m in repository.PLACEHOLDER.finditer(f.read_text())}
-    assert names == set(PARAMETERS)
-
-
-def test_triton_repo_refuses_bad_parameters(engine_dir, tmp_path):
-    out = tmp_path / "repo"
-    cases = [
-        (["--param", "engine_dir=/x"], "unknown parameter 'engine_dir'"),
-        (["--param", "gpt_model_path="], "gpt_model_path"),
-        (["--param", "triton_max_batch_size=many"], "triton_max_batch_size: expected an integer >= 1, got 'many'"),
-        (["--param", "decoupled_mode=maybe"], "decoupled_mode: expected true or false"),
-        (["--param", "gpt_model_type=V1"], "V1 (static batching) is not supported"),
-        (["--param", "enable_kv_cache_reuse=true"], "no prefix cache"),
-        (["--param", "max_beam_width=2"], "max_beam_width: expected 1"),
-        (["--param", "kv_cache_free_gpu_mem_fraction=1.5"], "kv_cache_free_gpu_mem_fraction"),
-        (["--param", f"tokenizer_dir={tmp_path / 'missing'}"], "tokenizer_dir"),
-        (["--param", 'tokenizer_dir=/a"b'], "cannot be written"),
-        (["--param", "cancellation_check_period_ms"], "expected key=value"),
-    ]
-    for args, message in cases:
-        result = CliRunner().invoke(cli, ["triton-repo", "--engine_dir", str(engine_dir), "--output_dir", str(out),
-                                          *args])
-        assert result.exit_code != 0 and message in result.output, (args, result.output)
-        assert sum("Error" in line for line in result.output.splitlines()) == 1, result.output  # one line
-        assert not out.exists() and list(tmp_path.iterdir()) == [], args  # nothing written, no temp dir left
-    inside = engine_dir / "repo"
-    result = CliRunner().invoke(cli, ["triton-repo", "--engine_dir", str(engine_dir), "--output_dir", str(inside)])
-    assert result.exit_code != 0 and "overlaps gpt_model_path" in result.output and not inside.exists()
-
-
-def test_check_names_every_problem_of_a_hand_filled_repository(engine_dir, tmp_path):
-    """Filled as TensorRT-LLM's tools/fill_template.py does (string.Template.safe_substitute), with
-    gpt_model_path forgotten and a bad value."""
-    hand = tmp_path / "hand"
-    shutil.copytree(repository.TEMPLATES, hand)
-    subs = dict(triton_max_batch_size="8", decoupled_mode="true", max_queue_delay_microseconds="0",
-                tokenizer_dir=str(engine_dir), add_special_tokens="true", skip_special_tokens="true",
-                bls_instance_count="1", preprocessing_instance_count="1", postprocessing_instance_count="1",
-                gpt_model_type="inflight_fused_batching", batch_scheduler_policy="max_utilization",
-                max_tokens_in_paged_kv_cache="", kv_cache_free_gpu_mem_fraction="", enable_chunked_context="false",
-                enable_kv_cache_reuse="false", exclude_input_in_output="false", max_beam_width="1",
-                cancellation_check_period_ms="100", stats_check_period_ms="often")
-    for f in hand.rglob("config.pbtxt"):
-        f.write_text(string.Template(f.read_text()).safe_substitute(subs))
-    result = CliRunner().invoke(cli, ["triton-repo", "--check", str(hand)])
-    assert result.exit_code == 1
-    assert re.search(r"tensorrt_llm/config.pbtxt:\d+: \$\{gpt_model_path\} was never filled in", result.output)
-    subs["gpt_model_path"] = str(engine_dir)
-    for f in hand.rglob("config.pbtxt"):
-        f.write_text(string.Template(f.read_text()).safe_substitute(subs))
-    result = CliRunner().invoke(cli, ["triton-repo", "--check", str(hand)])
-    assert result.exit_code == 1 and "stats_check_period_ms: expected an integer >= 1, got 'often'" in result.output
-    text = (hand / "tensorrt_llm" / "config.pbtxt").read_text().replace('"often"', '"100"')
-    (hand / "tensorrt_llm" / "config.pbtxt").write_text(text)
-    result = CliRunner().invoke(cli, ["triton-repo", "--check", str(hand)])
-    assert result.exit_code == 0, result.output
-
-
-def test_sampling_semantics_table():
-    """TensorRT-LLM's rules, row by row, on SamplingParams; README shows the same table."""
-    assert markdown_table() in (ROOT / "README.md").read_text()
-    for rule in SEMANTICS:
-        if rule.expect is None:
-            with pytest.raises(ValueError, match="top_p"):
-                sampling_fields(**rule.example)
-            continue
-        params = SamplingParams(**sampling_fields(**rule.example))
-        assert {k: getattr(params, k) for k in rule.expect} == pytest.approx(rule.expect), rule
-        assert params.greedy == (rule.expect["temperature"] == 0), rule
-    for bad in (dict(top_k=-1), dict(temperature=-0.5), dict(top_p=-0.1)):
-        with pytest.raises(ValueError):
-            sampling_fields(**bad)
-
-
-def test_streamed_chunks_never_split_a_character(llm):
-    """What tensorrt_llm streams and postprocessing decodes, for output tokens whose characters span
-    several tokens (the byte-level tokenizer has no token for most non-ASCII characters): every chunk
-    is whole characters, and the chunks join into the full decode."""
-    tok = llm.get_tokenizer()
-    prompt = tok.encode("say:")
-    tokens = tok.encode(" naïve café — 🙂 ok, 日本")
-    assert len(tokens) > len(" naïve café — 🙂 ok, 日本".encode()) // 2  # mostly byte tokens
-    row = Row(prompt, SamplingParams(), streaming=True, exclude_input=False, end_id=None, pad_id=0, log_probs=False,
-              perf_metrics=False)
-    tracker, d, chunks = Tracker(row, 0, 8), IncrementalDetokenizer(tok, prompt), []
-    for i, t in enumerate(tokens):
-        d.add(t)
-        last = i == len(tokens) - 1
-        text = d.text + (d.flush() if last else "")
-        c = CompletionOutput(0, text, tokens[:i + 1], None, None, "length" if last else None)
-        for r in tracker.update(RequestOutput("r", None, prompt, None, [c], last)):
-            chunks.append(decode(tok, r["output_ids"][0, 0].tolist(), r["prefix_ids"][0, 0].tolist(), True))
-    assert "".join(chunks) == tok.decode(tokens) == " naïve café — 🙂 ok, 日本"
-    assert all("\ufffd" not in c for c in chunks) and 1 < len(chunks) < len(tokens)
-
-
-def test_bls_maps_inputs_as_the_ensemble_does(repo):
-    config = repository._parse_config((repo / "ensemble" / "config.pbtxt").read_text())
-    pre, engine, post = config.ensemble_scheduling.step
-    assert dict(pre.input_map) == {v: k for k, v in interface.TO_PREPROCESSING.items()}
-    assert {k: v for k, v in engine.input_map.items() if not v.startswith("_")} == \
-        {v: k for k, v in interface.TO_ENGINE.items()}
-    assert dict(post.input_map).keys() == set(interface.TO_POSTPROCESSING.values())
-    assert {k for k in engine.output_map if k not in interface.TO_POSTPROCESSING} == set(interface.PASSED_THROUGH)
-
-
 # ------------------------------------------------------------------------- serving: outputs
-README_BODY = {"text_input": PROMPTS[1], "max_tokens": MAX_TOKENS, "bad_words": "", "stop_words": ""}
+def readme_body() -> dict:
+    """The body of the README's `curl .../ensemble/generate`."""
+    return json.loads(re.search(r"ensemble/generate \\\n\s*-d '([^']*)'", (ROOT / "README.md").read_text()).group(1))
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 def test_generate_equals_llm_generate(http, llm, model):
-    ref = llm.generate(PROMPTS[1], greedy())[0].outputs[0]
-    r = http.post(f"/v2/models/{model}/generate", json=README_BODY)
+    body = readme_body()
+    prompt = body["text_input"]
+    ref = llm.generate(prompt, greedy(body["max_tokens"]))[0].outputs[0]
+    r = http.post(f"/v2/models/{model}/generate", json=body)
     assert r.status_code == 200, r.text
-    assert r.json()["text_output"] == PROMPTS[1] + ref.text  # as TensorRT-LLM: the prompt, then the output
-    r = http.post(f"/v2/models/{model}/generate", json={**README_BODY, "exclude_input_in_output": True})
+    assert r.json()["text_output"] == prompt + ref.text  # as TensorRT-LLM: the prompt, then the output
+    r = http.post(f"/v2/models/{model}/generate", json={**body, "exclude_input_in_output": True})
     assert r.json()["text_output"] == ref.text
     # TensorRT-LLM's client default: temperature 1.0 and no top_k/top_p is still greedy search
-    r = http.post(f"/v2/models/{model}/generate", json={**README_BODY, "temperature": 1.0,
-                                                         "exclude_input_in_output": True})
+    r = http.post(f"/v2/models/{model}/generate", json={**body, "temperature": 1.0, "exclude_input_in_output": True})
     assert r.json()["text_output"] == ref.text
 
 
@@ -549,3 +444,137 @@ def test_bad_engine_inputs_over_grpc(server):
         stream.call("tensorrt_llm", engine_inputs([5, 6], 4) + grpc_inputs(draft_input_ids=np.array([[1]], np.int32)))
     assert stream.call("tensorrt_llm", engine_inputs([5, 6], 4)).as_numpy("sequence_length")[0, 0] == 6
     stream.close()
+
+
+# ------------------------------------------------------------- dashboards and alert rules
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
+                "unless"}
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads."""
+    expr = re.sub(r'"[^"]*"', "", expr)  # label values
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges and subqueries
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    names = re.findall(r"(?<![\w:.])([a-zA-Z_:][\w:]*)(?![\w:])(?!\s*\()", expr)
+    return {n for n in names if n not in PROMQL_WORDS}
+
+
+def monitored() -> dict[str, set[str]]:
+    """Metric names the dashboards and the rules query, by file."""
+    out = {}
+    for f in sorted((ROOT / "deploy" / "monitoring").glob("*.json")):
+        exprs = [t["expr"] for p in json.loads(f.read_text())["panels"] for t in p["targets"]]
+        out[f.name] = set().union(*map(promql_metrics, exprs))
+    import yaml
+
+    rules = yaml.safe_load((ROOT / "deploy" / "monitoring" / "alerts.yaml").read_text())
+    for group in rules["groups"]:
+        out[f"alerts.yaml:{group['name']}"] = set().union(*(promql_metrics(r["expr"]) for r in group["rules"]))
+    return out
+
+
+def exported(metrics_text: str) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in metrics_text.splitlines() if line and line[0] != "#"}
+
+
+def test_dashboards_and_rules_query_metrics_the_servers_export(server, engine_dir, tmp_path):
+    assert promql_metrics('histogram_quantile(0.99, sum by (le) (rate(a:b_bucket{x="y"}[5m]))) / c > 0.95') == \
+        {"a:b_bucket", "c"}
+    triton = exported(httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text)
+    port = free_port()
+    kiln = subprocess.Popen([str(Path(sys.executable).parent / "kiln"), "serve", "--engine_dir", str(engine_dir),
+                             "--host", "127.0.0.1", "--port", str(port), "--threads", "1", "--no_access_log"],
+                            stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        def healthy():
+            assert kiln.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+        wait_for(healthy, timeout=300, what="kiln serve")
+        serve = exported(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+    finally:
+        kiln.terminate()
+        kiln.wait(timeout=60)
+    queried = monitored()
+    assert set(queried) == {"grafana-kiln-serve.json", "grafana-triton.json", "alerts.yaml:kiln-serve",
+                            "alerts.yaml:kiln-triton"}
+    for where, names in queried.items():
+        # `up` is Prometheus' own series for every scrape target
+        source = serve if "kiln-serve" in where else triton
+        assert names - {"up"} and names - {"up"} <= source, (where, sorted(names - source - {"up"}))
+
+
+# ------------------------------------------------------------------- benchmarks/serving.py
+def test_serving_benchmark_targets_triton(server, llm):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks" / "serving.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tok = llm.get_tokenizer()
+    requests = bench.make_requests(tok, 6, 16, 8, max_input=128, max_seq=1024, seed=0)
+    runs = []
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        results, duration = asyncio.run(bench.run_load(server.url, model, requests, 3, float("inf"), None, True,
+                                                        tok, 0, backend="triton"))
+        assert all(r.ok for r in results), [r.error for r in results]
+        runs.append({"label": model, "target": model, "concurrency": 3, **bench.summarize(results, duration)})
+    assert all(r["completed"] == 6 and r["mean_ttft_ms"] > 0 and r["output_throughput"] > 0 for r in runs)
+    assert "tensorrt_llm_bls" in bench.table(runs)
+
+
+# ---------------------------------------------------------------- decoupled_mode false
+def test_non_decoupled_repository(engine_dir, llm, tmp_path):
+    """One response per request: batched rows come back as one (padded) response; streaming and
+    n > 1 are refused with the reason."""
+    out = tmp_path / "repo"
+    result = CliRunner().invoke(cli, ["triton-repo", "--engine_dir", str(engine_dir), "--output_dir", str(out),
+                                      "--param", "decoupled_mode=false"])
+    assert result.exit_code == 0, result.output
+    server = Triton(out, tmp_path / "server.log")
+    try:
+        ref = llm.generate([PROMPTS[0], PROMPTS[4]], [greedy(4), greedy(6)])
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            for model in ("ensemble", "tensorrt_llm_bls"):
+                r = http.post(f"/v2/models/{model}/generate", json={"text_input": PROMPTS[0], "max_tokens": 4,
+                                                                     "exclude_input_in_output": True})
+                assert r.json()["text_output"] == ref[0].outputs[0].text, r.text
+                r = http.post(f"/v2/models/{model}/generate", json={"text_input": "x", "max_tokens": 4, "stream": True})
+                assert r.status_code == 400 and "decoupled_mode: true" in r.json()["error"]
+        ids = [o.prompt_token_ids for o in ref]
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+        r = client.infer("tensorrt_llm", grpc_inputs(
+            input_ids=np.array([ids[0], ids[1] + [0] * (len(ids[0]) - len(ids[1]))], np.int32),
+            input_lengths=np.array([[len(i)] for i in ids], np.int32),
+            request_output_len=np.array([[4], [6]], np.int32), pad_id=np.array([[2], [2]], np.int32)))
+        lengths = r.as_numpy("sequence_length")[:, 0].tolist()
+        assert lengths == [len(i) + len(o.outputs[0].token_ids) for i, o in zip(ids, ref)]
+        for row, (i, o) in enumerate(zip(ids, ref)):
+            got = r.as_numpy("output_ids")[row, 0].tolist()
+            assert got[:lengths[row]] == i + o.outputs[0].token_ids and set(got[lengths[row]:]) <= {2}
+        client.close()
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0
+
+
+# ------------------------------------------------------- SIGTERM (last: it stops the server)
+def test_sigterm_drains_requests_in_flight(server, http, llm):
+    ref = llm.generate(PROMPTS[4], greedy(80, ignore_eos=True))[0].outputs[0]
+    http.close()  # Triton's drain waits for open HTTP connections (keep-alive ones too) until its timeout
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        with client.stream("POST", "/v2/models/ensemble/generate_stream",
+                           json={"text_input": PROMPTS[4], "max_tokens": 80, "stream": True, "end_id": -1}) as r:
+            lines = r.iter_lines()
+            text = json.loads(next(line for line in lines if line.startswith("data: "))[6:])["text_output"]
+            server.proc.send_signal(signal.SIGTERM)  # to `kiln triton-serve`, which passes it on
+            wait_for(lambda: not ready(server), what="the server to stop taking new requests")
+            text += "".join(json.loads(line[6:])["text_output"] for line in lines if line.startswith("data: "))
+    assert text == ref.text  # the request in flight ran to its end
+    assert server.proc.wait(timeout=120) == 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.url}/v2/health/live", timeout=2)

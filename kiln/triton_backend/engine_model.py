@@ -95,7 +95,7 @@ class TritonPythonModel:
     # -- the loop ------------------------------------------------------------------------------
     def _run_loop(self):
         asyncio.set_event_loop(self.loop)
-        self.loop.create_task(self._watch_cancellations())
+        self.watcher = self.loop.create_task(self._watch_cancellations())
         self.loop.run_forever()
 
     async def _serve(self, triton_id: str, sender, wanted: set, tensors: dict) -> None:
@@ -205,6 +205,7 @@ class TritonPythonModel:
             pass
 
     async def _cancel_all(self) -> None:
+        self.watcher.cancel()
         for job in list(self.jobs.values()):
             self._cancel(job)
 

@@ -66,6 +66,20 @@ def make_requests(tokenizer, n: int, input_len: int, output_len: int, max_input:
     return requests
 
 
+def as_text(tokenizer, requests, max_input: int, max_seq: int) -> list[tuple[list[int], int]]:
+    """Each prompt as the ids its text encodes to (they may differ from the ids it was decoded from),
+    within the limits: the same prompts whether a backend is sent token ids or text (Triton)."""
+    out = []
+    for ids, n in requests:
+        while True:
+            again = tokenizer.encode(tokenizer.decode(ids, skip_special_tokens=True))
+            if len(again) <= max_input:
+                break
+            ids = ids[:-1]
+        out.append((again, min(n, max_seq - len(again))))
+    return out
+
+
 # ---------------------------------------------------------------------------------- the client
 async def send(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int) -> Result:
     r = Result(prompt_len=prompt_len)
@@ -144,8 +158,9 @@ async def run_load(base_url: str, model: str, requests, concurrency: int | None,
 
     def body(ids, out):
         if backend == "triton":
-            return {"text_input": tokenizer.decode(ids), "max_tokens": out, "stream": True, "end_id": -1}
-        prompt = tokenizer.decode(ids) if text_prompts else ids
+            return {"text_input": tokenizer.decode(ids, skip_special_tokens=True), "max_tokens": out,
+                    "stream": True, "end_id": -1}
+        prompt = tokenizer.decode(ids, skip_special_tokens=True) if text_prompts else ids
         return {"model": model, "prompt": prompt, "max_tokens": out, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
 
@@ -288,7 +303,8 @@ def start_server(engine_dir: str, threads: int | None, log: Path, backend: str =
     else:
         repo = log.parent / "triton_repo"
         subprocess.run([kiln, "triton-repo", "--engine_dir", engine_dir, "--output_dir", str(repo), "--overwrite",
-                        "--param", "batch_scheduler_policy=max_utilization", "--param", "enable_chunked_context=true"],
+                        "--param", "batch_scheduler_policy=max_utilization",
+                        "--param", "enable_chunked_context=true"],
                        check=True)
         cmd = [kiln, "triton-serve", "--model_repo", str(repo), "--address", "127.0.0.1", "--http-port", str(port),
                "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
@@ -375,6 +391,7 @@ def main():
                     n = max(args.num_prompts, 2 * (c or 0))
                     requests = make_requests(tokenizer, n, args.input_len, args.output_len, max_input, max_seq,
                                              args.seed)
+                    requests = as_text(tokenizer, requests, max_input, max_seq)  # the same for every backend
                     results, duration = asyncio.run(run_load(base_url, model, requests, c, args.request_rate,
                                                              args.api_key, args.text_prompts, tokenizer, args.seed,
                                                              backend))
@@ -392,6 +409,7 @@ def main():
         dtype = args.hf_dtype or build.get("pretrained_config", {}).get("dtype") or "float32"
         requests = make_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, max_input,
                                  max_seq, args.seed)[:args.hf_num_prompts]  # the same requests (or the first)
+        requests = as_text(tokenizer, requests, max_input, max_seq)
         results, duration = run_hf(args.hf_baseline, dtype, requests, args.threads)
         hf = {"label": f"HF transformers ({dtype}), one at a time", "concurrency": None,
               "num_prompts": len(requests), **summarize(results, duration)}

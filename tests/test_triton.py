@@ -543,7 +543,8 @@ def test_non_decoupled_repository(engine_dir, llm, tmp_path):
                 r = http.post(f"/v2/models/{model}/generate", json={"text_input": PROMPTS[0], "max_tokens": 4,
                                                                      "exclude_input_in_output": True})
                 assert r.json()["text_output"] == ref[0].outputs[0].text, r.text
-                r = http.post(f"/v2/models/{model}/generate", json={"text_input": "x", "max_tokens": 4, "stream": True})
+                r = http.post(f"/v2/models/{model}/generate",
+                              json={"text_input": "x", "max_tokens": 4, "stream": True})
                 assert r.status_code == 400 and "decoupled_mode: true" in r.json()["error"]
         ids = [o.prompt_token_ids for o in ref]
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")

@@ -60,12 +60,21 @@ class TritonPythonModel:
 
     def _serve(self, request_id: str, sender, t: dict) -> None:
         engine_id = f"bls-{next(self.ids)}-{request_id}"
+
+        def finish(response=None):
+            with self.lock:  # first: asking a finished request whether it is cancelled crashes Triton 2.51
+                self.in_flight.pop(engine_id, None)
+            if response is None:
+                sender.send(flags=FINAL)
+            else:
+                sender.send(response, flags=FINAL)
+
         try:
             refused = [name for name in t if name in REFUSED]
             if refused:
                 raise BLSError(f"input {refused[0]}: {REFUSED[refused[0]]}; send the request without it")
-            pre = _tensors(_call("preprocessing", {TO_PREPROCESSING[k]: v for k, v in t.items() if k in TO_PREPROCESSING},
-                                 list(PREPROCESSED)))
+            text_inputs = {TO_PREPROCESSING[k]: v for k, v in t.items() if k in TO_PREPROCESSING}
+            pre = _tensors(_call("preprocessing", text_inputs, list(PREPROCESSED)))
             inputs = {PREPROCESSED[k]: v for k, v in pre.items()}
             inputs.update({TO_ENGINE[k]: v for k, v in t.items() if k in TO_ENGINE})
             with self.lock:
@@ -80,21 +89,16 @@ class TritonPythonModel:
                                       ["OUTPUT"]))["OUTPUT"]
                 tensors = [pb_utils.Tensor("text_output", text)]
                 tensors += [pb_utils.Tensor(k, out[k]) for k in PASSED_THROUGH if k in out]
-                if self.decoupled:
-                    sender.send(pb_utils.InferenceResponse(tensors))
-                else:
-                    sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL)
-                    return
-            sender.send(flags=FINAL)
+                if not self.decoupled:
+                    return finish(pb_utils.InferenceResponse(tensors))
+                sender.send(pb_utils.InferenceResponse(tensors))
+            finish()
         except Exception as e:  # noqa: BLE001 - every failure is the client's error response
             message = str(e) if isinstance(e, BLSError) else f"{type(e).__name__}: {e}"
             try:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+                finish(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)))
             except Exception:  # noqa: BLE001 - the client is gone
                 pass
-        finally:
-            with self.lock:
-                self.in_flight.pop(engine_id, None)
 
     def _watch(self) -> None:
         stopped = set()

@@ -103,7 +103,8 @@ def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool
 
         length = get("input_lengths", ids.shape[1])
         if not 1 <= length <= ids.shape[1]:
-            raise RequestError(f"input_lengths must be in [1, {ids.shape[1]}] (the tokens in input_ids), got {length}")
+            raise RequestError(f"input_lengths must be in [1, {ids.shape[1]}] (the tokens in input_ids), "
+                               f"got {length}")
         prompt = ids[b, :length].tolist()
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
@@ -129,14 +130,16 @@ def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool
         # end_id is the one end token (-1: none); without it, the engine's own EOS ids end a sequence.
         # A one-token stop word is a stop token, a longer one stops at its text; as in TensorRT-LLM,
         # the stop word stays in the output.
-        stop_ids = ([end_id] if end_id is not None and end_id >= 0 else []) + [w[0] for w in stop_words if len(w) == 1]
+        if end_id is not None and end_id < 0:
+            end_id = None
+        stop_ids = ([] if end_id is None else [end_id]) + [w[0] for w in stop_words if len(w) == 1]
         stop_texts = [text for w in stop_words if len(w) > 1 and (text := tokenizer.decode(w))]
         try:
             sampling = sampling_fields(get("runtime_top_k"), get("runtime_top_p"), get("temperature"))
             params = SamplingParams(
                 **sampling, n=n, max_tokens=max_tokens, min_tokens=get("min_tokens", 0), seed=get("seed"),
                 repetition_penalty=get("repetition_penalty", 1.0), presence_penalty=get("presence_penalty", 0.0),
-                frequency_penalty=get("frequency_penalty", 0.0), ignore_eos=end_id is not None,
+                frequency_penalty=get("frequency_penalty", 0.0), ignore_eos=get("end_id") is not None,
                 stop_token_ids=stop_ids, stop=stop_texts, include_stop_str_in_output=True, bad_words_ids=bad_words,
                 logprobs=0 if get("return_log_probs", False) else None,
                 return_context_logits=bool(get("return_context_logits", False)),
@@ -144,7 +147,7 @@ def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool
         except ValueError as e:
             raise RequestError(str(e)) from None
         rows.append(Row(prompt, params, streaming, bool(get("exclude_input_in_output", exclude_input_default)),
-                        end_id if end_id is not None and end_id >= 0 else None, get("pad_id", end_id or 0),
+                        end_id, get("pad_id", end_id or 0),
                         bool(get("return_log_probs", False)), bool(get("return_perf_metrics", False))))
     return False, rows
 

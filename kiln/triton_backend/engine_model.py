@@ -117,9 +117,11 @@ class TritonPythonModel:
             # every row added (or refused) before any response: a bad row fails the whole request
             firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
             errors = [e for e in firsts if isinstance(e, BaseException)]
-            if errors:
+            if errors or job.done:  # refused, or cancelled meanwhile (then the final flag is sent)
                 await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-                return self._send_error(sender, str(errors[0]) or type(errors[0]).__name__)
+                if not job.done:
+                    self._send_error(sender, str(errors[0]) or type(errors[0]).__name__)
+                return
             job.trackers = [Tracker(row, b, self.tokens_per_block) for b, row in enumerate(rows)]
             job.tasks = [asyncio.ensure_future(self._row(job, t, s, f))
                          for t, s, f in zip(job.trackers, streams, firsts)]

@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -525,6 +526,23 @@ def test_serving_benchmark_targets_triton(server, llm):
         runs.append({"label": model, "target": model, "concurrency": 3, **bench.summarize(results, duration)})
     assert all(r["completed"] == 6 and r["mean_ttft_ms"] > 0 and r["output_throughput"] > 0 for r in runs)
     assert "tensorrt_llm_bls" in bench.table(runs)
+
+
+# ------------------------------------------------------------ parameters checked at load
+def test_models_check_their_parameters_at_load(repo, tmp_path):
+    """A value `kiln triton-repo` would have refused, put in by hand: tritonserver itself (not
+    `kiln triton-serve`, which checks first) fails to load the model, with triton-repo's message."""
+    from kiln.triton_backend.server import command
+
+    bad = tmp_path / "repo"
+    shutil.copytree(repo / "tensorrt_llm", bad / "tensorrt_llm")
+    config = bad / "tensorrt_llm" / "config.pbtxt"
+    config.write_text(re.sub(r'(key: "stats_check_period_ms"\s*value: \{ string_value: )"\d+"', r'\1"often"',
+                             config.read_text()))
+    cmd, env = command(bad, "127.0.0.1", free_port(), free_port(), free_port(), 5)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "tensorrt_llm: parameter stats_check_period_ms: expected an integer >= 1, got 'often'" in result.stderr
 
 
 # ---------------------------------------------------------------- decoupled_mode false

@@ -1,23 +1,30 @@
-"""Online serving benchmark, like vLLM's `benchmark_serving`: streams /v1/completions requests at an
-OpenAI-compatible server and reports request and output-token throughput and mean/median/p99 of
-TTFT (time to first token), TPOT (time per output token after the first) and ITL (inter-token
-latency, between streamed chunks).
+"""Online serving benchmark, like vLLM's `benchmark_serving`: streams requests at an OpenAI-compatible
+server (/v1/completions) or at Triton (`--backend triton`: the `ensemble` and/or `tensorrt_llm_bls`
+model of a `kiln triton-repo` repository, or of tensorrtllm_backend's, over /v2/models/*/generate_stream)
+and reports request and output-token throughput and mean/median/p99 of TTFT (time to first token),
+TPOT (time per output token after the first) and ITL (inter-token latency, between streamed chunks).
 
 Requests are synthetic and seeded: ShareGPT-like long-tailed (log-normal) prompt and output lengths,
 prompts cut from Python's standard library source (what the default model was trained on), sent as
-token ids (--text_prompts sends text) with `ignore_eos` so that each request generates its length.
-Load is fixed concurrency (--concurrency, a sweep: one run per value) or a Poisson --request_rate.
+token ids (--text_prompts sends text) with `ignore_eos` so that each request generates its length
+(Triton: text, with `end_id` -1, which generates exactly `max_tokens`: the output length counted is
+the one asked for). Load is fixed concurrency (--concurrency, a sweep: one run per value) or a
+Poisson --request_rate.
 
   # start `kiln serve` on the engine, sweep concurrency, compare with HF transformers one at a time
   python benchmarks/serving.py --engine_dir demo_out/engine --concurrency 1 4 16 64 \\
       --hf_baseline models/kiln-tiny-stdlib --json bench_out/serving.json --plot bench_out/serving.png
   # any OpenAI-compatible server (vLLM, TensorRT-LLM, Kiln) already running
   python benchmarks/serving.py --base_url http://127.0.0.1:8000 --tokenizer path/to/hf_dir --request_rate 4
+  # kiln serve, then Triton's ensemble and BLS models on the same engine, one after the other
+  python benchmarks/serving.py --engine_dir demo_out/engine --backend openai triton \\
+      --triton_models ensemble tensorrt_llm_bls --concurrency 1 4 16
 """
 import argparse
 import asyncio
 import glob
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -59,6 +66,20 @@ def make_requests(tokenizer, n: int, input_len: int, output_len: int, max_input:
     return requests
 
 
+def as_text(tokenizer, requests, max_input: int, max_seq: int) -> list[tuple[list[int], int]]:
+    """Each prompt as the ids its text encodes to (they may differ from the ids it was decoded from),
+    within the limits: the same prompts whether a backend is sent token ids or text (Triton)."""
+    out = []
+    for ids, n in requests:
+        while True:
+            again = tokenizer.encode(tokenizer.decode(ids, skip_special_tokens=True))
+            if len(again) <= max_input:
+                break
+            ids = ids[:-1]
+        out.append((again, min(n, max_seq - len(again))))
+    return out
+
+
 # ---------------------------------------------------------------------------------- the client
 async def send(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int) -> Result:
     r = Result(prompt_len=prompt_len)
@@ -93,23 +114,60 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int)
     return r
 
 
+async def send_triton(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int) -> Result:
+    """One generate_stream request: each SSE event carries the text of the tokens since the last."""
+    r = Result(prompt_len=prompt_len)
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    r.error = event["error"][:200]
+                    return r
+                if not event.get("text_output"):
+                    continue
+                now = time.perf_counter()
+                if r.ttft == 0.0:
+                    r.ttft = now - start
+                else:
+                    r.itl.append(now - last)
+                last = now
+        r.latency = time.perf_counter() - start
+        r.output_len = body["max_tokens"]  # end_id -1: nothing ends a request before max_tokens
+        r.ok = r.ttft > 0
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
 async def run_load(base_url: str, model: str, requests, concurrency: int | None, rate: float,
-                   api_key: str | None, text_prompts: bool, tokenizer, seed: int) -> tuple[list[Result], float]:
-    url = f"{base_url}/v1/completions"
+                   api_key: str | None, text_prompts: bool, tokenizer, seed: int,
+                   backend: str = "openai") -> tuple[list[Result], float]:
+    url = f"{base_url}/v1/completions" if backend == "openai" else f"{base_url}/v2/models/{model}/generate_stream"
+    sender = send if backend == "openai" else send_triton
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency or len(requests), max_keepalive_connections=concurrency)
     gate = asyncio.Semaphore(concurrency or len(requests))
     rng = np.random.default_rng(seed)
 
     def body(ids, out):
-        prompt = tokenizer.decode(ids) if text_prompts else ids
+        if backend == "triton":
+            return {"text_input": tokenizer.decode(ids, skip_special_tokens=True), "max_tokens": out,
+                    "stream": True, "end_id": -1}
+        prompt = tokenizer.decode(ids, skip_special_tokens=True) if text_prompts else ids
         return {"model": model, "prompt": prompt, "max_tokens": out, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
 
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(600)) as client:
         async def one(ids, out):
             async with gate:
-                return await send(client, url, body(ids, out), len(ids))
+                return await sender(client, url, body(ids, out), len(ids))
 
         await one(*requests[0])  # warm-up: connections, first-step costs
         start = time.perf_counter()
@@ -199,18 +257,23 @@ def plot(runs: list[dict], hf: dict | None, path: Path) -> None:
     sweep = [r for r in runs if r.get("concurrency")]
     if not sweep:
         return
-    x = [r["concurrency"] for r in sweep]
+    targets = list(dict.fromkeys(r.get("target", "kiln serve") for r in sweep))
+    keys = [("median_ttft_ms", "o-"), ("p99_ttft_ms", "o:"), ("median_tpot_ms", "s-"), ("p99_itl_ms", "s:")]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(x, [r["output_throughput"] for r in sweep], "o-", label="kiln serve")
+    for target in targets:
+        rs = [r for r in sweep if r.get("target", "kiln serve") == target]
+        x = [r["concurrency"] for r in rs]
+        a.plot(x, [r["output_throughput"] for r in rs], "o-", label=target)
+        for key, style in keys if len(targets) == 1 else keys[::2]:
+            name = key.replace("_ms", "").replace("_", " ")
+            b.plot(x, [r[key] for r in rs], style, label=name if len(targets) == 1 else f"{target}: {name}")
     if hf:
         a.axhline(hf["output_throughput"], color="gray", ls="--", label="HF transformers, one at a time")
+    ticks = sorted({r["concurrency"] for r in sweep})
     a.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="Throughput")
-    a.set_xticks(x, [str(c) for c in x])
-    for key, style in (("median_ttft_ms", "o-"), ("p99_ttft_ms", "o:"), ("median_tpot_ms", "s-"),
-                       ("p99_itl_ms", "s:")):
-        b.plot(x, [r[key] for r in sweep], style, label=key.replace("_ms", "").replace("_", " "))
     b.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="ms", title="Latency")
-    b.set_xticks(x, [str(c) for c in x])
+    for ax in (a, b):
+        ax.set_xticks(ticks, [str(c) for c in ticks])
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -220,35 +283,65 @@ def plot(runs: list[dict], hf: dict | None, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------- server
-def start_server(engine_dir: str, threads: int | None, log: Path) -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(Path(sys.executable).parent / "kiln"), "serve", "--engine_dir", engine_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--no_access_log"] + (["--threads", str(threads)] if threads else [])
+        return s.getsockname()[1]
+
+
+def start_server(engine_dir: str, threads: int | None, log: Path, backend: str = "openai"
+                 ) -> tuple[subprocess.Popen, str]:
+    """`kiln serve` (openai), or `kiln triton-repo` + `kiln triton-serve` (triton), on the engine."""
+    kiln = str(Path(sys.executable).parent / "kiln")
+    port = free_port()
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    if backend == "openai":
+        cmd = [kiln, "serve", "--engine_dir", engine_dir, "--host", "127.0.0.1", "--port", str(port),
+               "--no_access_log"] + (["--threads", str(threads)] if threads else [])
+        health = "/health"
+    else:
+        repo = log.parent / "triton_repo"
+        subprocess.run([kiln, "triton-repo", "--engine_dir", engine_dir, "--output_dir", str(repo), "--overwrite",
+                        "--param", "batch_scheduler_policy=max_utilization",
+                        "--param", "enable_chunked_context=true"],
+                       check=True)
+        cmd = [kiln, "triton-serve", "--model_repo", str(repo), "--address", "127.0.0.1", "--http-port", str(port),
+               "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
+        health = "/v2/health/ready"
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            sys.exit(f"kiln serve exited with {proc.returncode}; see {log}")
+            sys.exit(f"{cmd[1]} exited with {proc.returncode}; see {log}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{health}", timeout=2).status_code == 200:
                 return proc, url
         except httpx.TransportError:
             pass
         time.sleep(0.5)
     proc.kill()
-    sys.exit(f"kiln serve did not become healthy in 600 s; see {log}")
+    sys.exit(f"{cmd[1]} did not become ready in 600 s; see {log}")
+
+
+def cpu() -> str:
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    simd = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(simd) or 'no AVX'}; load average {os.getloadavg()[0]:.1f}"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--base_url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    where.add_argument("--engine_dir", help="start `kiln serve` on this engine (and stop it afterwards)")
-    ap.add_argument("--model", help="model name to send (default: the server's first in /v1/models)")
+    where.add_argument("--base_url", help="a server already running, e.g. http://127.0.0.1:8000 (one --backend)")
+    where.add_argument("--engine_dir", help="start the servers on this engine, one after the other (and stop them)")
+    ap.add_argument("--backend", nargs="+", choices=["openai", "triton"], default=["openai"],
+                    help="openai: /v1/completions (kiln serve); triton: generate_stream of --triton_models")
+    ap.add_argument("--triton_models", nargs="+", default=["ensemble"], choices=["ensemble", "tensorrt_llm_bls"])
+    ap.add_argument("--model", help="OpenAI model name to send (default: the server's first in /v1/models)")
     ap.add_argument("--api_key")
     ap.add_argument("--tokenizer", help="HF tokenizer dir (default: the engine dir)")
     ap.add_argument("--num_prompts", type=int, default=200, help="requests per run (at least 2 x concurrency)")
@@ -256,10 +349,11 @@ def main():
     ap.add_argument("--output_len", type=int, default=128, help="median output length (log-normal)")
     ap.add_argument("--max_input_len", type=int, help="longest prompt (default: the engine's, or half the "
                     "server's max_model_len)")
+    ap.add_argument("--max_seq_len", type=int, help="Triton at --base_url: the engine's max_seq_len (default 2048)")
     ap.add_argument("--concurrency", type=int, nargs="+", help="fixed-concurrency runs (a sweep)")
     ap.add_argument("--request_rate", type=float, default=float("inf"), help="Poisson arrivals per second "
                     "(with no --concurrency: one run at this rate)")
-    ap.add_argument("--text_prompts", action="store_true", help="send text, not token ids")
+    ap.add_argument("--text_prompts", action="store_true", help="send text, not token ids (Triton always does)")
     ap.add_argument("--hf_baseline", help="HF model dir: also run the requests one at a time through HF")
     ap.add_argument("--hf_dtype", default=None, help="default: the engine's dtype, else float32")
     ap.add_argument("--hf_num_prompts", type=int, default=None, help="requests for the HF run (default: all)")
@@ -268,40 +362,54 @@ def main():
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
+    if args.base_url and len(args.backend) > 1:
+        ap.error("--base_url is one server: give one --backend")
 
     from transformers import AutoTokenizer
 
-    proc, base_url, build = None, args.base_url, {}
-    if args.engine_dir:
-        build = json.loads((Path(args.engine_dir) / "config.json").read_text())
-        proc, base_url = start_server(args.engine_dir, args.threads, Path("bench_out/serving_server.log"))
-    try:
-        models = httpx.get(f"{base_url}/v1/models", timeout=30,
-                           headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}).json()
-        model = args.model or models["data"][0]["id"]
-        max_seq = models["data"][0].get("max_model_len") or 2048
-        max_input = args.max_input_len or build.get("build_config", {}).get("max_input_len") or max_seq // 2
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.engine_dir)
-        runs = []
-        for c in args.concurrency or [None]:
-            n = max(args.num_prompts, 2 * (c or 0))
-            requests = make_requests(tokenizer, n, args.input_len, args.output_len, max_input, max_seq, args.seed)
-            results, duration = asyncio.run(run_load(base_url, model, requests, c, args.request_rate, args.api_key,
-                                                     args.text_prompts, tokenizer, args.seed))
-            label = f"concurrency {c}" if c else f"rate {args.request_rate}/s"
-            runs.append({"label": label, "concurrency": c, "request_rate": args.request_rate, "num_prompts": n,
-                         **summarize(results, duration)})
-            print(f"{label}: {runs[-1]['completed']}/{n} ok in {duration:.1f}s, "
-                  f"{runs[-1]['output_throughput']:.1f} output tok/s", file=sys.stderr)
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
+    print(f"CPU: {cpu()}", file=sys.stderr)
+    build = json.loads((Path(args.engine_dir) / "config.json").read_text()) if args.engine_dir else {}
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.engine_dir)
+    runs, model, base_url = [], None, args.base_url
+    for backend in args.backend:
+        proc = None
+        if args.engine_dir:
+            proc, base_url = start_server(args.engine_dir, args.threads, Path(f"bench_out/serving_{backend}.log"),
+                                          backend)
+        try:
+            if backend == "openai":
+                models = httpx.get(f"{base_url}/v1/models", timeout=30, headers={"Authorization": f"Bearer "
+                                   f"{args.api_key}"} if args.api_key else {}).json()
+                targets = [(args.model or models["data"][0]["id"], "kiln serve" if args.engine_dir else base_url)]
+                max_seq = models["data"][0].get("max_model_len") or 2048
+            else:
+                targets = [(m, f"Triton {m}") for m in args.triton_models]
+                max_seq = build.get("build_config", {}).get("max_seq_len") or args.max_seq_len or 2048
+            max_input = args.max_input_len or build.get("build_config", {}).get("max_input_len") or max_seq // 2
+            for model, target in targets:
+                for c in args.concurrency or [None]:
+                    n = max(args.num_prompts, 2 * (c or 0))
+                    requests = make_requests(tokenizer, n, args.input_len, args.output_len, max_input, max_seq,
+                                             args.seed)
+                    requests = as_text(tokenizer, requests, max_input, max_seq)  # the same for every backend
+                    results, duration = asyncio.run(run_load(base_url, model, requests, c, args.request_rate,
+                                                             args.api_key, args.text_prompts, tokenizer, args.seed,
+                                                             backend))
+                    label = f"{target}, " + (f"concurrency {c}" if c else f"rate {args.request_rate}/s")
+                    runs.append({"label": label, "target": target, "concurrency": c,
+                                 "request_rate": args.request_rate, "num_prompts": n, **summarize(results, duration)})
+                    print(f"{label}: {runs[-1]['completed']}/{n} ok in {duration:.1f}s, "
+                          f"{runs[-1]['output_throughput']:.1f} output tok/s", file=sys.stderr)
+        finally:
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=120)
     hf = None
     if args.hf_baseline:
         dtype = args.hf_dtype or build.get("pretrained_config", {}).get("dtype") or "float32"
         requests = make_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, max_input,
                                  max_seq, args.seed)[:args.hf_num_prompts]  # the same requests (or the first)
+        requests = as_text(tokenizer, requests, max_input, max_seq)
         results, duration = run_hf(args.hf_baseline, dtype, requests, args.threads)
         hf = {"label": f"HF transformers ({dtype}), one at a time", "concurrency": None,
               "num_prompts": len(requests), **summarize(results, duration)}
@@ -311,12 +419,12 @@ def main():
             print(f"{r['label']}: {r['output_throughput'] / hf['output_throughput']:.2f}x HF's output tok/s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": model, "base_url": base_url, "args": {
+        args.json.write_text(json.dumps({"model": model, "cpu": cpu(), "args": {
             k: v for k, v in vars(args).items() if not isinstance(v, Path)}, "runs": runs, "hf_baseline": hf},
             indent=2, default=str))
     if args.plot:
         plot(runs, hf, args.plot)
-    print(f"{len(runs)} run(s) against {base_url}" + (f"; JSON {args.json}" if args.json else "")
+    print(f"{len(runs)} run(s)" + (f"; JSON {args.json}" if args.json else "")
           + (f"; plot {args.plot}" if args.plot else ""), file=sys.stderr)
 
 

@@ -7,6 +7,7 @@ import click
 from kiln.build.cli import main as build_command
 from kiln.convert.cli import main as convert_command
 from kiln.serve.cli import THREADS_HELP, serve as serve_command
+from kiln.triton_backend.cli import triton_repo, triton_serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,6 +19,8 @@ def cli():
 cli.add_command(convert_command, "convert")
 cli.add_command(build_command, "build")
 cli.add_command(serve_command, "serve")
+cli.add_command(triton_repo, "triton-repo")
+cli.add_command(triton_serve, "triton-serve")
 
 
 @cli.command("eval-ppl")

@@ -10,14 +10,15 @@ import copy
 import itertools
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 
 from kiln.runtime.core_client import BackgroundClient, EngineDeadError
+from kiln.runtime.engine_core import SchedulerStats, stats_dict
 from kiln.runtime.input_processor import InputProcessor
 from kiln.runtime.llm_engine import eos_token_ids, frontend_tokenizer
 from kiln.runtime.output_processor import OutputProcessor
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.stats import IterationStats
 
 
 class AsyncLLM:
@@ -27,6 +28,7 @@ class AsyncLLM:
     def __init__(self, engine_dir, *, engine_core: str = "process", tokenizer=None, skip_tokenizer_init: bool = False,
                  on_dead=None, **core_args):
         self.on_dead = on_dead  # called (from the reader thread) with the EngineDeadError, once
+        self._closing = False
         self.tokenizer = frontend_tokenizer(engine_dir, tokenizer, skip_tokenizer_init)
         self.client = BackgroundClient(engine_dir, engine_core, **core_args)
         info = self.client.info
@@ -102,15 +104,14 @@ class AsyncLLM:
         sends it with every step's outputs, so reading it never waits for a step."""
         with self._lock:
             stats = self._stats
-        if stats is None:
-            info = self.client.info
-            return dict(num_requests_running=0, num_requests_waiting=0, num_kv_blocks=info.num_kv_blocks,
-                        num_free_kv_blocks=info.num_kv_blocks, kv_cache_usage=0.0, num_preemptions=0,
-                        prefix_cache_queries=0, prefix_cache_hits=0)
-        return asdict(stats)
+        if stats is None:  # no step yet
+            n = self.client.info.num_kv_blocks
+            stats = SchedulerStats(0, 0, n, n, 0.0, 0, iterations=IterationStats())
+        return stats_dict(stats)
 
     def shutdown(self) -> None:
         self.on_dead = None  # the core stopping now is no death
+        self._closing = True
         self.client.shutdown()
         self._reader.join(10)
 
@@ -121,8 +122,9 @@ class AsyncLLM:
             except EngineDeadError as e:
                 self._fail_all(e)
                 return
-            except Exception:  # noqa: BLE001 - the pipe was closed by shutdown()
-                self._fail_all(EngineDeadError("the engine core was shut down"))
+            except Exception as e:  # noqa: BLE001 - the pipe was closed by shutdown(), or a broken message
+                self._fail_all(EngineDeadError("the engine core was shut down" if self._closing else
+                                               f"the engine core's outputs could not be read: {type(e).__name__}: {e}"))
                 return
             by_loop: dict[asyncio.AbstractEventLoop, list] = {}
             with self._lock:

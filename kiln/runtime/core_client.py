@@ -9,6 +9,7 @@ other. A core process that dies closes its end of the pipe: the frontend's next 
 `EngineDeadError`, and so does every call after it.
 """
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -24,6 +25,18 @@ MODES = ("inproc", "thread", "process")
 class EngineDeadError(RuntimeError):
     """The engine core stopped (its process died or was killed): every pending and later request
     fails with this error. vLLM's name; the frontend has to be restarted."""
+
+
+class Pipe(Connection):
+    """A connection that pickles by value. multiprocessing's pickler sends a tensor's storage as a
+    file descriptor fetched from the sender's resource sharer, which authenticates with
+    multiprocessing's per-process key: a core started by subprocess has another one."""
+
+    def send(self, obj) -> None:
+        self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+
+    def recv(self):
+        return pickle.loads(self.recv_bytes())
 
 
 class InprocClient:
@@ -49,7 +62,7 @@ class BackgroundClient:
         if mode not in ("thread", "process"):
             raise ValueError(f"engine core mode {mode!r}: expected 'thread' or 'process'")
         ours, theirs = socket.socketpair()
-        self.conn = Connection(ours.detach())
+        self.conn = Pipe(ours.detach())
         self._send_lock = threading.Lock()
         self._dead: EngineDeadError | None = None
         if mode == "process":
@@ -61,7 +74,7 @@ class BackgroundClient:
                                            pass_fds=[theirs.fileno()], env=env)
             theirs.close()  # the core's end lives in its process only: its death ends the pipe
         else:
-            self.worker = threading.Thread(target=run_engine_core, args=(Connection(theirs.detach()),),
+            self.worker = threading.Thread(target=run_engine_core, args=(Pipe(theirs.detach()),),
                                            name="kiln-engine-core", daemon=True)
             self.worker.start()
         self.conn.send((str(engine_dir), core_args))
@@ -188,8 +201,6 @@ def _step(core: EngineCore) -> EngineCoreOutputs:
 
 
 def _picklable(e: BaseException) -> BaseException:
-    import pickle
-
     try:
         pickle.dumps(e)
         return e
@@ -203,4 +214,4 @@ if __name__ == "__main__":  # the core process: python -m kiln.runtime.core_clie
     # Ctrl+C reaches the whole process group; the frontend handles it (a server drains first, then
     # shuts the core down) and the core ends when its pipe does.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_engine_core(Connection(int(sys.argv[1])))
+    run_engine_core(Pipe(int(sys.argv[1])))

@@ -7,7 +7,7 @@ from another (kiln/runtime/core_client.py). A request ends here by EOS, a stop t
 length, or when the frontend aborts it (an abort, or a stop string the frontend found).
 """
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import Request, Sequence
 from kiln.runtime.spec_decode import SpeculativeConfig, make_proposer, verify
+from kiln.runtime.stats import IterationStats
 from kiln.runtime.threads import configure_threads
 
 
@@ -42,6 +43,7 @@ class SampleDelta:
     new_logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None  # "stop" (EOS, a stop token id), "length", "abort"
     stop_reason: int | None = None  # the stop token id
+    new_generation_logits: list[torch.Tensor] | None = None  # return_generation_logits: a row per token
 
 
 @dataclass
@@ -55,6 +57,7 @@ class EngineCoreOutput:
     num_cached_tokens: int | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    context_logits: torch.Tensor | None = None  # return_context_logits: once the whole prompt is computed
 
 
 @dataclass
@@ -68,6 +71,14 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens, cumulative
     prefix_cache_hits: int = 0
     spec: "SpecStats | None" = None
+    iterations: IterationStats | None = None
+
+
+def stats_dict(stats: SchedulerStats) -> dict:
+    """The stats as one flat dict (LLMEngine.get_stats, AsyncLLM.stats, the metrics exporters)."""
+    d = asdict(stats)
+    d.update(d.pop("iterations") or {})
+    return d
 
 
 @dataclass
@@ -124,6 +135,7 @@ class EngineCore:
         self.proposer = make_proposer(spec, engine_dir, self.executor.config, max_batch_size)
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         self.spec_stats = SpecStats(accepted_per_pos=[0] * self.num_speculative_tokens) if spec else None
+        self.iteration_stats = IterationStats()
         self.requests: dict[str, Request] = {}
         self.info = EngineInfo(build, self.executor.config.pretrained_config, self.scheduler.max_batch_size,
                                self.scheduler.max_num_tokens, self.executor.num_blocks, build.tokens_per_block,
@@ -170,7 +182,8 @@ class EngineCore:
         waiting = {s.request.request_id for s in self.scheduler.waiting} - running
         pool = self.kv.pool
         return SchedulerStats(len(running), len(waiting), pool.num_blocks, pool.num_free, pool.usage,
-                              self.scheduler.num_preemptions, self.kv.queries, self.kv.hits, self.spec_stats)
+                              self.scheduler.num_preemptions, self.kv.queries, self.kv.hits, self.spec_stats,
+                              self.iteration_stats)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -184,6 +197,7 @@ class EngineCore:
                                    f"({self.kv.pool.num_blocks} blocks) cannot hold it")
             return EngineCoreOutputs([], self.stats())
         now = time.monotonic()
+        self.iteration_stats.record(out, self.scheduler)
         plan = plan_step(out, self.build_config.tokens_per_block, self.kv.block_tables)
         logits = self.executor.execute(plan.inputs)
         touched: dict[str, tuple[Request, EngineCoreOutput]] = {}
@@ -201,6 +215,12 @@ class EngineCore:
             new = compute_prompt_logprobs(logits[rows], targets, req.params.prompt_logprobs)
             req.prompt_logprobs.extend(new)
             self._output(touched, req).new_prompt_logprobs = new
+        for seq, rows in plan.context_rows:
+            req = seq.request
+            req.context_logits = logits[rows] if req.context_logits is None else torch.cat([req.context_logits,
+                                                                                           logits[rows]])
+            if len(req.context_logits) == req.num_prompt_tokens:
+                self._output(touched, req).context_logits = req.context_logits
         self._sample(plan.sample, logits, touched)
         self._verify(plan.verify, logits, touched)
         for req, o in touched.values():
@@ -236,19 +256,24 @@ class EngineCore:
                                                  s.generator, s.request.eos_token_ids) for s in seqs])
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids)):
             lp = result.logprobs[i] if seq.request.params.logprobs is not None else None
-            self._emit(seq, [token], None if lp is None else [lp], touched)
+            self._emit(seq, [token], None if lp is None else [lp], touched, picked[i:i + 1])
 
-    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None, touched: dict) -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None, touched: dict,
+              logits: torch.Tensor) -> None:
         """Append a sequence's new tokens, up to the first that ends it."""
         req, now = seq.request, time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
         sample = SampleDelta(seq.index, [], [] if logprobs is not None else None)
+        if req.params.return_generation_logits:
+            sample.new_generation_logits = []
         for j, token in enumerate(tokens):
             seq.token_ids.append(token)
             sample.new_token_ids.append(token)
             if logprobs is not None:
                 sample.new_logprobs.append(logprobs[j])
+            if sample.new_generation_logits is not None:
+                sample.new_generation_logits.append(logits[j].clone())
             self._check_stop(seq, token, sample)
             if sample.finish_reason is not None:
                 break
@@ -284,7 +309,7 @@ class EngineCore:
             SampleRow(s.request.params, s.request.prompt_token_ids, s.output_token_ids, s.generator,
                       s.request.eos_token_ids) for s in seqs], drafts)
         stats = self.spec_stats
-        for seq, d, res in zip(seqs, drafts, results):
+        for (seq, rs), d, res in zip(to_verify, drafts, results):
             seq.draft_token_ids = []
             seq.num_computed_tokens += 1 + res.num_accepted  # K/V of rejected drafts is simply overwritten later
             self.kv.cache_full_blocks(seq)
@@ -296,7 +321,7 @@ class EngineCore:
             stats.num_accepted_tokens += res.num_accepted
             for pos in range(res.num_accepted):
                 stats.accepted_per_pos[pos] += 1
-            self._emit(seq, res.token_ids, res.logprobs, touched)
+            self._emit(seq, res.token_ids, res.logprobs, touched, logits[rs])
 
     def _fork(self, parent: Sequence) -> list[tuple[int, int]]:
         """The prompt is computed: make the request's other n - 1 samples, sharing its KV blocks."""

@@ -85,8 +85,11 @@ class KVCacheManager:
         if not self.enable_prefix_caching or seq.block_table:
             return 0
         limit = seq.num_tokens - 1
-        if seq.request.prompt_logprobs is not None:  # positions still to be scored must be computed
-            limit = min(limit, len(seq.request.prompt_logprobs) - 1)
+        req = seq.request
+        if req.prompt_logprobs is not None:  # positions still to be scored must be computed
+            limit = min(limit, len(req.prompt_logprobs) - 1)
+        if req.params.return_context_logits:  # and so must those whose logits are still owed
+            limit = min(limit, 0 if req.context_logits is None else len(req.context_logits))
         hits = self.pool.lookup(self._hashes(seq, limit // self.tokens_per_block))
         self.pool.take(hits)
         if hits:

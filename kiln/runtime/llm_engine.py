@@ -8,6 +8,7 @@ ahead while this side turns the last step into text.
 import itertools
 
 from kiln.runtime.core_client import BackgroundClient, InprocClient
+from kiln.runtime.engine_core import stats_dict
 from kiln.runtime.input_processor import InputProcessor
 from kiln.runtime.output_processor import OutputProcessor
 from kiln.runtime.outputs import RequestOutput
@@ -69,6 +70,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(info, self.tokenizer, eos_token_ids(self.model_config, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer, self.build_config.max_seq_len)
         self._ids = itertools.count()
+        self._stats = None
 
     @property
     def core(self):
@@ -93,6 +95,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 
+    def get_stats(self) -> dict:
+        """The core's load, KV cache and step counters now (in this thread) or as of its last step."""
+        stats = self.core.stats() if isinstance(self.client, InprocClient) else self._stats
+        return stats_dict(stats) if stats is not None else {}
+
     def step(self) -> list[RequestOutput]:
         if not self.has_unfinished_requests():
             return []
@@ -102,6 +109,7 @@ class LLMEngine:
             for rid in ids:
                 self.output_processor.abort(rid)
             raise RuntimeError(f"engine step failed: {message}")
+        self._stats = core_outputs.stats
         outputs, stopped = self.output_processor.process(core_outputs.outputs)
         for request_id, index in stopped:
             self.client.abort(request_id, index)

@@ -23,6 +23,8 @@ class StepPlan:
     sample: list[tuple[Sequence, int]] = field(default_factory=list)
     # Prompt logprobs: (sequence, first prompt position predicted, logits rows).
     prompt_rows: list[tuple[Sequence, int, list[int]]] = field(default_factory=list)
+    # return_context_logits: (sequence, logits rows of the prompt positions it computes this step).
+    context_rows: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     # Speculating sequences: their logits rows, at the last token and at each draft token.
     verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)
 
@@ -72,6 +74,12 @@ def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.T
             lo, hi = max(start, len(req.prompt_logprobs) - 1), min(end, req.num_prompt_tokens - 1)
             if lo < hi:
                 plan.prompt_rows.append((seq, lo + 1, list(range(len(logits_index), len(logits_index) + hi - lo))))
+                logits_index.extend(range(first + lo - start, first + hi - start))
+        if req.params.return_context_logits:
+            done = 0 if req.context_logits is None else len(req.context_logits)
+            lo, hi = max(start, done), min(end, req.num_prompt_tokens)
+            if lo < hi:
+                plan.context_rows.append((seq, list(range(len(logits_index), len(logits_index) + hi - lo))))
                 logits_index.extend(range(first + lo - start, first + hi - start))
         if seq.draft_token_ids:  # the last token and every draft: the target's next-token rows
             plan.verify.append((seq, list(range(len(logits_index), len(logits_index) + n))))

@@ -23,6 +23,7 @@ class SampleState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    generation_logits: list | None = None  # return_generation_logits: the rows its tokens were drawn from
 
     @property
     def text(self) -> str:
@@ -44,6 +45,7 @@ class RequestState:
     num_cached_tokens: int | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    context_logits: object = None  # return_context_logits: [prompt tokens, vocab], once all are computed
 
     @property
     def finished(self) -> bool:
@@ -77,6 +79,8 @@ class OutputProcessor:
             state.num_draft_tokens, state.num_accepted_tokens = o.num_draft_tokens, o.num_accepted_tokens
             if o.new_prompt_logprobs:
                 state.prompt_logprobs.extend(o.new_prompt_logprobs)
+            if o.context_logits is not None:
+                state.context_logits = o.context_logits
             for delta in o.samples:
                 sample = state.samples.get(delta.index)
                 if sample is None:
@@ -106,7 +110,7 @@ class OutputProcessor:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, state.params.skip_special_tokens)
-        return SampleState(index, detok)
+        return SampleState(index, detok, generation_logits=[] if state.params.return_generation_logits else None)
 
     def _advance(self, state: RequestState, sample: SampleState, delta) -> bool:
         """Take the sample's new tokens; True if a stop string ended it."""
@@ -117,6 +121,8 @@ class OutputProcessor:
             if delta.new_logprobs is not None:
                 sample.logprobs.append(delta.new_logprobs[i])
                 sample.cumulative_logprob += delta.new_logprobs[i][token]
+            if delta.new_generation_logits is not None:
+                sample.generation_logits.append(delta.new_generation_logits[i])
             text = sample.detokenizer.add(token) if sample.detokenizer is not None else ""
             # EOS and stop token ids (decided by the core) come before stop strings, as in vLLM.
             core_stop = i == last and delta.finish_reason in ("stop", "abort")
@@ -151,10 +157,11 @@ class OutputProcessor:
             index=s.index, text=s.text, token_ids=list(s.token_ids),
             cumulative_logprob=s.cumulative_logprob if want_lp else None,
             logprobs=list(s.logprobs) if want_lp else None,
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in samples]
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            generation_logits=None if s.generation_logits is None else list(s.generation_logits)) for s in samples]
         metrics = RequestMetrics(state.arrival_time, state.first_scheduled_time, state.first_token_time,
                                  state.finished_time, max((len(s.token_ids) for s in samples), default=0),
                                  state.num_draft_tokens, state.num_accepted_tokens)
         return RequestOutput(state.request_id, state.prompt, list(state.prompt_token_ids),
                              None if state.prompt_logprobs is None else list(state.prompt_logprobs),
-                             outputs, state.finished, metrics, state.num_cached_tokens)
+                             outputs, state.finished, metrics, state.num_cached_tokens, state.context_logits)

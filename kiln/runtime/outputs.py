@@ -1,5 +1,9 @@
 """What generation returns, with vLLM's names so that users' code carries over."""
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -11,6 +15,8 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # return_generation_logits: the raw logits each output token was sampled from, one [vocab] row each
+    generation_logits: "list[torch.Tensor] | None" = field(default=None, repr=False)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -50,3 +56,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
     num_cached_tokens: int | None = None  # prompt tokens whose K/V came from the prefix cache
+    # return_context_logits: [num_prompt_tokens, vocab] raw logits (row p predicts prompt token p + 1;
+    # the last row is the one the first output token was sampled from), once the prompt is computed
+    context_logits: "torch.Tensor | None" = field(default=None, repr=False)

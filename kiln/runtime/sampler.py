@@ -3,7 +3,8 @@
 Order of operations for each row, as vLLM:
 
 1. ``min_tokens``: while ``len(output) < min_tokens`` the stop token ids (and the EOS ids, unless
-   ``ignore_eos``) are set to ``-inf``;
+   ``ignore_eos``) are set to ``-inf``; so is the last token of each ``bad_words_ids`` word whose
+   other tokens end the sequence (prompt + output);
 2. repetition penalty over prompt + output tokens (HF: ``logit > 0 -> logit / p`` else ``* p``);
 3. frequency and presence penalties over output tokens (OpenAI:
    ``logit -= count * frequency + (count > 0) * presence``);
@@ -156,6 +157,15 @@ def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int] 
     return out
 
 
+def _completing_bad_words(words: list[list[int]], prompt: Sequence[int], output: Sequence[int],
+                          vocab: int) -> list[int]:
+    """The tokens that would complete a bad word now (its other tokens end prompt + output)."""
+    k = max(len(w) for w in words) - 1
+    tail = [*prompt[max(len(prompt) - k, 0):], *output[max(len(output) - k, 0):]][-k:] if k else []
+    return sorted({w[-1] for w in words
+                   if w[-1] < vocab and (len(w) == 1 or tail[len(tail) - len(w) + 1:] == w[:-1])})
+
+
 # Top-p looks for its nucleus among this many most likely tokens first: a partial top-k instead of
 # sorting the whole vocabulary, which at 64 rows x 32k tokens costs more than a decode step.
 TOP_P_CANDIDATES = 1024
@@ -256,6 +266,10 @@ class TorchSampler:
                 if not p.ignore_eos:
                     ids.extend(r.eos_token_ids)
                 ids = [t for t in set(ids) if 0 <= t < V]
+                mr.extend([i] * len(ids))
+                mt.extend(ids)
+            if p.bad_words_ids:
+                ids = _completing_bad_words(p.bad_words_ids, r.prompt_token_ids, r.output_token_ids, V)
                 mr.extend([i] * len(ids))
                 mt.extend(ids)
         if mr:

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from kiln.runtime.sampler import SampleOutput, SampleRow, call_key, draw_stream
+from kiln.runtime.sampler import SampleOutput, SampleRow, _completing_bad_words, call_key, draw_stream
 
 _M64 = (1 << 64) - 1
 
@@ -61,6 +61,8 @@ def _pack(logits: torch.Tensor, rows: Sequence[SampleRow]):
             if not p.ignore_eos:
                 ids.update(r.eos_token_ids)
             banned += (t for t in ids if 0 <= t < V)
+        if p.bad_words_ids:
+            banned += _completing_bad_words(p.bad_words_ids, r.prompt_token_ids, out, V)
         banned_offsets.append(len(banned))
     return (raw, _tensor(fp, "f", torch.float32).view(N, 6), _tensor(ip, "q", torch.int64).view(N, 6),
             _tensor(history, "q", torch.int64), _tensor(history_offsets, "q", torch.int64),

@@ -23,8 +23,13 @@ class SamplingParams:
     """Sampling parameters of one request.
 
     ``top_k`` of 0 or -1 disables top-k; ``max_tokens=None`` generates until ``max_seq_len``;
-    ``stop`` and ``stop_token_ids`` are normalized to lists. ``logprobs``/``prompt_logprobs`` ask
-    for that many top tokens (plus the sampled / actual token), computed from the raw logits.
+    ``stop``, ``stop_token_ids`` and ``bad_words_ids`` are normalized to lists; a bad word (token
+    ids) never completes: its last token is banned wherever the sequence ends with the rest of it.
+    ``logprobs``/``prompt_logprobs`` ask for that many top tokens (plus the sampled / actual
+    token), computed from the raw logits.
+    ``return_context_logits`` / ``return_generation_logits`` (TensorRT-LLM's names) return the raw
+    logits at every prompt position (``RequestOutput.context_logits``) and the logits each output
+    token was sampled from (``CompletionOutput.generation_logits``).
     Invalid values raise ``ValueError`` naming the field, the value and what was expected.
     """
 
@@ -38,6 +43,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words_ids: list[list[int]] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -46,6 +52,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
 
     def __post_init__(self) -> None:
         # --- normalization -------------------------------------------------------------
@@ -64,6 +72,14 @@ class SamplingParams:
         else:
             raise ValueError(
                 f"stop_token_ids must be a list of int or None, got {self.stop_token_ids!r}")
+        if self.bad_words_ids is None:
+            self.bad_words_ids = []
+        elif isinstance(self.bad_words_ids, (list, tuple)) and all(isinstance(w, (list, tuple))
+                                                                     for w in self.bad_words_ids):
+            self.bad_words_ids = [list(w) for w in self.bad_words_ids]
+        else:
+            raise ValueError(f"bad_words_ids must be a list of token id lists or None, "
+                             f"got {self.bad_words_ids!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)
@@ -101,6 +117,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must contain only ints >= 0, got {t!r}")
+        for w in self.bad_words_ids:
+            if not w or not all(_is_int(t) and t >= 0 for t in w):
+                raise ValueError(f"bad_words_ids must contain non-empty lists of ints >= 0, got {w!r}")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
         for name in ("logprobs", "prompt_logprobs"):
@@ -112,7 +131,8 @@ class SamplingParams:
                 raise bad(name, "in [-2, 2]")
         if not self.repetition_penalty > 0.0:
             raise bad("repetition_penalty", "> 0")
-        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("skip_special_tokens", "include_stop_str_in_output", "return_context_logits",
+                     "return_generation_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
 

@@ -3,6 +3,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kiln.runtime.sampler import SeedGenerator
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -65,6 +67,7 @@ class Request:
     finished_time: float | None = None
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    context_logits: torch.Tensor | None = None  # return_context_logits: the prompt positions computed so far
     forked: bool = False  # the n samples exist (after the prompt's last chunk)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     num_draft_tokens: int = 0  # speculative decoding: proposed, and accepted by the target

@@ -1,0 +1,255 @@
+"""The `tensorrt_llm` model's tensors, TensorRT-LLM's names and semantics: a Triton request's inputs
+to one engine request per batch row, and engine outputs to response tensors. Numpy only (no Triton
+imports), so that the rules are tested without a server.
+
+Responses follow TensorRT-LLM: non-streaming, one response per sequence when it finishes, its
+`output_ids` the prompt + generated tokens (`exclude_input_in_output`: generated only); streaming,
+each response carries the new tokens only. The end token (`end_id`, or the engine's EOS without
+one) ends a sequence and is not part of its output.
+A streamed token is held back until it completes text (a multi-byte character split over tokens),
+and `prefix_ids` carries the tokens before a response's, so that postprocessing decodes them in
+context."""
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.triton_backend.sampling import sampling_fields
+
+# Inputs a client may send for features the engine lacks: refused by name, never ignored.
+REFUSED = {
+    **dict.fromkeys(("draft_input_ids", "draft_logits", "draft_acceptance_threshold", "num_draft_tokens",
+                     "use_draft_logits"), "speculative decoding (draft tokens) is not supported yet"),
+    "embedding_bias": "embedding bias is not supported yet",
+    **dict.fromkeys(("prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_ids"),
+                    "prompt tables (p-tuning) are not supported yet"),
+    **dict.fromkeys(("lora_task_id", "lora_weights", "lora_config"), "LoRA adapters are not supported yet"),
+    **dict.fromkeys(("guided_decoding_guide_type", "guided_decoding_guide"), "guided decoding is not supported yet"),
+    **dict.fromkeys(("runtime_top_p_min", "runtime_top_p_decay", "runtime_top_p_reset_ids"),
+                    "top-p decay is not supported"),
+    **dict.fromkeys(("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
+                    "lookahead decoding is not supported yet"),
+}
+# Beam-search knobs: TensorRT-LLM ignores them at beam_width 1, the only width there is here.
+BEAM_SEARCH_ONLY = ("len_penalty", "early_stopping", "beam_search_diversity_rate")
+PREFIX_CONTEXT = 6  # tokens of context a streamed response carries for detokenization
+
+
+class RequestError(ValueError):
+    pass
+
+
+@dataclass
+class Row:
+    """One batch row of a Triton request: one engine request."""
+    prompt: list[int]
+    params: SamplingParams
+    streaming: bool
+    exclude_input: bool
+    end_id: int | None  # stops the sequence; left out of its output
+    pad_id: int
+    log_probs: bool
+    perf_metrics: bool
+
+
+def _scalar(tensors: dict, name: str, batch: int, row: int):
+    value = tensors.get(name)
+    if value is None:
+        return None
+    flat = np.asarray(value).reshape(-1)
+    if flat.size == 1:
+        return flat[0].item()
+    if flat.size != batch:
+        raise RequestError(f"{name} must hold one value per batch row ({batch}), got shape {list(np.shape(value))}")
+    return flat[row].item()
+
+
+def word_list(value, name: str) -> list[list[int]]:
+    """TensorRT-LLM's [2, L] word list: token ids, then each word's end offset (-1 padded)."""
+    arr = np.asarray(value).reshape(2, -1) if np.size(value) else np.zeros((2, 0), np.int32)
+    ids, offsets = arr[0].tolist(), arr[1].tolist()
+    words, start = [], 0
+    for end in offsets:
+        if end < 0:
+            break
+        if not start < end <= len(ids):
+            raise RequestError(f"{name}: bad word offsets {offsets} for {len(ids)} token ids")
+        words.append(ids[start:end])
+        start = end
+    return words
+
+
+def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool, vocab_size: int,
+                  tokenizer) -> tuple[bool, list[Row]]:
+    """(stop request?, rows). RequestError names the input that is wrong and what was expected."""
+    for name in tensors:
+        if name in REFUSED:
+            raise RequestError(f"input {name}: {REFUSED[name]}; send the request without it")
+    ids = tensors.get("input_ids")
+    if ids is None:
+        raise RequestError("input_ids is required")
+    ids = np.asarray(ids)
+    ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+    batch = ids.shape[0]
+    if any(_scalar(tensors, "stop", batch, b) for b in range(batch)):
+        return True, []
+    rows = []
+    for b in range(batch):
+        def get(name, default=None, b=b):
+            value = _scalar(tensors, name, batch, b)
+            return default if value is None else value
+
+        length = get("input_lengths", ids.shape[1])
+        if not 1 <= length <= ids.shape[1]:
+            raise RequestError(f"input_lengths must be in [1, {ids.shape[1]}] (the tokens in input_ids), "
+                               f"got {length}")
+        prompt = ids[b, :length].tolist()
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        max_tokens = get("request_output_len")
+        if max_tokens is None or max_tokens < 1:
+            raise RequestError(f"request_output_len must be >= 1, got {max_tokens}")
+        beam_width = get("beam_width", 1)
+        if beam_width != 1:
+            raise RequestError(f"beam_width {beam_width} is not supported: there is no beam search (send "
+                               "beam_width 1; num_return_sequences asks for several samples)")
+        streaming = bool(get("streaming", False))
+        if streaming and not decoupled:
+            raise RequestError("streaming needs the decoupled model (decoupled_mode: true)")
+        n = get("num_return_sequences", 1)
+        if n > 1 and not decoupled:
+            raise RequestError("num_return_sequences > 1 needs the decoupled model (decoupled_mode: true)")
+        end_id = get("end_id")
+        stop_words = word_list(tensors["stop_words_list"][b], "stop_words_list") \
+            if tensors.get("stop_words_list") is not None else []
+        bad_words = word_list(tensors["bad_words_list"][b], "bad_words_list") \
+            if tensors.get("bad_words_list") is not None else []
+        # end_id is the one end token (-1: none); without it, the engine's own EOS ids end a sequence.
+        # A one-token stop word is a stop token, a longer one stops at its text; as in TensorRT-LLM,
+        # the stop word stays in the output.
+        if end_id is not None and end_id < 0:
+            end_id = None
+        stop_ids = ([] if end_id is None else [end_id]) + [w[0] for w in stop_words if len(w) == 1]
+        stop_texts = [text for w in stop_words if len(w) > 1 and (text := tokenizer.decode(w))]
+        try:
+            sampling = sampling_fields(get("runtime_top_k"), get("runtime_top_p"), get("temperature"))
+            params = SamplingParams(
+                **sampling, n=n, max_tokens=max_tokens, min_tokens=get("min_tokens", 0), seed=get("seed"),
+                repetition_penalty=get("repetition_penalty", 1.0), presence_penalty=get("presence_penalty", 0.0),
+                frequency_penalty=get("frequency_penalty", 0.0), ignore_eos=get("end_id") is not None,
+                stop_token_ids=stop_ids, stop=stop_texts, include_stop_str_in_output=True, bad_words_ids=bad_words,
+                logprobs=0 if get("return_log_probs", False) else None,
+                return_context_logits=bool(get("return_context_logits", False)),
+                return_generation_logits=bool(get("return_generation_logits", False)))
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        rows.append(Row(prompt, params, streaming, bool(get("exclude_input_in_output", exclude_input_default)),
+                        end_id, get("pad_id", end_id or 0),
+                        bool(get("return_log_probs", False)), bool(get("return_perf_metrics", False))))
+    return False, rows
+
+
+@dataclass
+class SequenceStream:
+    """What has been sent of one sequence."""
+    sent: int = 0  # output tokens
+    text: int = 0  # characters of the engine's detokenized text they made
+    finished: bool = False
+    context_sent: bool = False
+
+
+@dataclass
+class Tracker:
+    """Turns one row's RequestOutputs into response tensors (one dict per response)."""
+    row: Row
+    batch_index: int
+    tokens_per_block: int
+    streams: dict[int, SequenceStream] = field(default_factory=dict)
+    last: RequestOutput | None = None  # the latest output seen
+
+    def tokens(self, c: CompletionOutput) -> list[int]:
+        """The sequence's output tokens without the end token that stopped it (end_id or the engine's
+        EOS; a stop word stays)."""
+        ids = c.token_ids
+        if c.finish_reason == "stop" and ids and c.stop_reason in (None, self.row.end_id):
+            return ids[:-1]
+        return ids
+
+    def update(self, out: RequestOutput) -> list[dict]:
+        self.last = out
+        responses = []
+        for c in out.outputs:
+            s = self.streams.setdefault(c.index, SequenceStream())
+            done = c.finish_reason is not None
+            if s.finished or not (done or self.row.streaming):
+                continue
+            ids = self.tokens(c)
+            # streaming: new tokens go out once they make text (a character may span tokens)
+            if done or (len(ids) > s.sent and len(c.text) > s.text):
+                start = s.sent if self.row.streaming else 0
+                responses.append(self._tensors(out, c, ids, start, len(ids), s))
+                s.sent, s.text, s.finished = len(ids), len(c.text), done
+        return responses
+
+    def _tensors(self, out: RequestOutput, c: CompletionOutput, ids: list[int], start: int, end: int,
+                 s: SequenceStream) -> dict:
+        row = self.row
+        new = ids[start:end]
+        output = new if row.streaming or row.exclude_input else out.prompt_token_ids + new
+
+        def one(value, dtype):
+            return np.array([[value]], dtype)
+
+        before = (out.prompt_token_ids + ids[:start])[-PREFIX_CONTEXT:] if row.streaming else []
+        t = {"output_ids": np.array([[output]], np.int32).reshape(1, 1, len(output)),
+             "sequence_length": one(len(output), np.int32),
+             "prefix_ids": np.array([[before]], np.int32).reshape(1, 1, len(before)),
+             "batch_index": one(self.batch_index, np.int32), "sequence_index": one(c.index, np.int32)}
+        if row.log_probs:
+            lps = [lp[tok] for tok, lp in zip(new, c.logprobs[start:end])]
+            t["cum_log_probs"] = one(c.cumulative_logprob, np.float32)
+            t["output_log_probs"] = np.array([[lps]], np.float32).reshape(1, 1, len(lps))
+        if c.generation_logits is not None:
+            rows = c.generation_logits[start:end]
+            vocab = rows[0].shape[0] if rows else 0
+            t["generation_logits"] = (np.stack([r.numpy() for r in rows]) if rows else
+                                      np.zeros((0, vocab), np.float32)).reshape(1, 1, len(rows), vocab)
+        if out.context_logits is not None and not s.context_sent:
+            t["context_logits"] = out.context_logits.numpy()[None]
+            s.context_sent = True
+        if row.perf_metrics:
+            t.update(self._perf(out, c))
+        return t
+
+    def _perf(self, out: RequestOutput, c: CompletionOutput) -> dict:
+        m = out.metrics
+        blocks = -(-(len(out.prompt_token_ids) + len(c.token_ids) - 1) // self.tokens_per_block)
+
+        def ns(t):
+            return np.array([[int((t if t is not None else time.monotonic()) * 1e9)]], np.int64)
+
+        return {"kv_cache_alloc_new_blocks": np.array([[blocks]], np.int32),
+                "kv_cache_reused_blocks": np.array([[0]], np.int32),  # there is no prefix cache yet
+                "kv_cache_alloc_total_blocks": np.array([[blocks]], np.int32),
+                "arrival_time_ns": ns(m.arrival_time), "first_scheduled_time_ns": ns(m.first_scheduled_time),
+                "first_token_time_ns": ns(m.first_token_time), "last_token_time_ns": ns(m.finished_time),
+                # there is no speculative decoding yet
+                "acceptance_rate": np.array([[0.0]], np.float32),
+                "total_accepted_draft_tokens": np.array([[0]], np.int32),
+                "total_draft_tokens": np.array([[0]], np.int32)}
+
+
+def merge(responses: list[dict], pad_id: int) -> dict:
+    """Rows' responses as one (the non-decoupled model answers a request once): stacked along the
+    batch, ragged dims padded (output_ids with pad_id, prefix_ids with -1, the rest with 0)."""
+    out = {}
+    for name in responses[0]:
+        arrays = [r[name] for r in responses]
+        shape = np.max([a.shape for a in arrays], axis=0)
+        fill = {"output_ids": pad_id, "prefix_ids": -1}.get(name, 0)
+        out[name] = np.concatenate([np.pad(a, [(0, m - d) for d, m in zip(a.shape, shape)], constant_values=fill)
+                                    for a in arrays])
+    return out

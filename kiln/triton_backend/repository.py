@@ -1,0 +1,170 @@
+"""Writes a model repository from the templates (`kiln triton-repo`) and checks one (`--check`).
+
+The templates (`templates/inflight_batcher_llm`) are a repository with `${name}` placeholders, like
+tensorrtllm_backend's `all_models/inflight_batcher_llm`: `kiln triton-repo` fills them from the engine
+and `--param`s, or a user fills a copy with TensorRT-LLM's `tools/fill_template.py`. Either way
+`check_repository` names every problem, with the messages the models give at load."""
+import re
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+from kiln.config import EngineConfig
+from kiln.triton_backend.parameters import PARAMETERS, ParamError, parse, read
+
+TEMPLATES = Path(__file__).parent / "templates" / "inflight_batcher_llm"
+PYTHON_MODELS = ("preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
+MODELS = PYTHON_MODELS + ("ensemble",)
+MODEL_PARAMETERS = {
+    "tensorrt_llm": ["gpt_model_path", "gpt_model_type", "batch_scheduler_policy", "max_tokens_in_paged_kv_cache",
+                     "kv_cache_free_gpu_mem_fraction", "enable_chunked_context", "enable_kv_cache_reuse",
+                     "exclude_input_in_output", "max_beam_width", "cancellation_check_period_ms",
+                     "stats_check_period_ms"],
+    "preprocessing": ["tokenizer_dir", "add_special_tokens"],
+    "postprocessing": ["tokenizer_dir", "skip_special_tokens"],
+}
+PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
+
+
+def resolve(engine_dir, overrides: dict[str, str]) -> dict[str, str]:
+    """Every parameter's value as written into config.pbtxt: the defaults (from the engine where
+    TensorRT-LLM's come from the user) under the overrides, each checked. ParamError names all
+    problems, in one line."""
+    engine_dir = Path(engine_dir).resolve()
+    values = {name: p.default for name, p in PARAMETERS.items()}
+    values.update(gpt_model_path=str(engine_dir), tokenizer_dir=str(engine_dir))
+    try:
+        values["triton_max_batch_size"] = str(EngineConfig.load(engine_dir).build_config.max_batch_size)
+    except Exception as e:  # noqa: BLE001 - reported as the engine dir's problem
+        raise ParamError(f"--engine_dir {engine_dir}: {e}") from None
+    problems = []
+    for name, value in overrides.items():
+        if name not in PARAMETERS:
+            problems.append(f"unknown parameter {name!r}")
+            continue
+        if PARAMETERS[name].kind == "path" and value.strip():
+            value = str(Path(value.strip()).expanduser().resolve())
+        values[name] = value
+    for name, value in values.items():
+        if name not in PARAMETERS:
+            continue
+        if any(c in value for c in '"\\\n'):
+            problems.append(f"parameter {name}: {value!r} cannot be written into config.pbtxt (quote, backslash "
+                            "or newline)")
+            continue
+        try:
+            typed = parse(name, value)
+        except ParamError as e:
+            problems.append(str(e))
+            continue
+        if isinstance(typed, bool):
+            values[name] = "true" if typed else "false"
+    if problems:
+        if any(p.startswith("unknown") for p in problems):
+            problems.append(f"the parameters are: {', '.join(PARAMETERS)}")
+        raise ParamError("; ".join(problems))
+    return values
+
+
+def write_repository(engine_dir, output_dir, overrides: dict[str, str], overwrite: bool = False) -> Path:
+    """Fill the templates into a temporary sibling of output_dir, check it, and rename it into place;
+    nothing is written unless every parameter is good."""
+    values = resolve(engine_dir, overrides)
+    out = Path(output_dir).expanduser().resolve()
+    for name in ("gpt_model_path", "tokenizer_dir"):
+        used = Path(values[name])
+        if used == out or out in used.parents or used in out.parents:
+            raise ParamError(f"--output_dir {out} overlaps {name} {used}: the repository is replaced as a "
+                             "whole; write it elsewhere")
+    if out.exists() and not out.is_dir():
+        raise ParamError(f"--output_dir {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ParamError(f"--output_dir {out} exists and is not empty; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        for model in MODELS:
+            (tmp / model / "1").mkdir(parents=True)
+        for src in sorted(TEMPLATES.rglob("*")):
+            dst = tmp / src.relative_to(TEMPLATES)
+            if src.name == "config.pbtxt":
+                dst.write_text(string.Template(src.read_text()).substitute(values))
+            elif src.name == "model.py":
+                shutil.copyfile(src, dst)
+        problems = check_repository(tmp)
+        if problems:  # a template bug: never leave a repository Triton would refuse
+            raise ParamError(f"the written repository does not check: {problems[0]}")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def check_repository(repo) -> list[str]:
+    """Every problem of a repository (ours, or one filled by hand from the templates); [] if none."""
+    repo = Path(repo)
+    if not repo.is_dir():
+        return [f"{repo} is not a directory"]
+    problems, configs = [], {}
+    for model in MODELS:
+        path = repo / model / "config.pbtxt"
+        if not path.is_file():
+            problems.append(f"{model}/config.pbtxt is missing")
+            continue
+        if model in PYTHON_MODELS and not (repo / model / "1" / "model.py").is_file():
+            problems.append(f"{model}/1/model.py is missing")
+        if model == "ensemble" and not (repo / model / "1").is_dir():
+            problems.append("ensemble/1/ is missing (Triton needs the version directory)")
+        text = path.read_text()
+        left = [(i, m.group(1)) for i, line in enumerate(text.splitlines(), 1) for m in PLACEHOLDER.finditer(line)]
+        for line, name in left:
+            hint = f"`--param {name}=...`" if name in PARAMETERS else "a value"
+            problems.append(f"{model}/config.pbtxt:{line}: ${{{name}}} was never filled in (give it {hint})")
+        if left:
+            continue
+        try:
+            configs[model] = _parse_config(text)
+        except ValueError as e:
+            problems.append(f"{model}/config.pbtxt: not a valid model configuration: {e}")
+            continue
+        config = configs[model]
+        if config.name != model:
+            problems.append(f"{model}/config.pbtxt: name is {config.name!r}, expected {model!r}")
+        try:
+            read({k: {"string_value": v.string_value} for k, v in config.parameters.items()},
+                 MODEL_PARAMETERS.get(model, []))
+        except ParamError as e:
+            problems.append(f"{model}/config.pbtxt: {e}")
+    sizes = {m: c.max_batch_size for m, c in configs.items()}
+    if len(set(sizes.values())) > 1:
+        problems.append(f"max_batch_size differs between models: {sizes} (one triton_max_batch_size for all)")
+    modes = {m: configs[m].model_transaction_policy.decoupled for m in ("tensorrt_llm", "tensorrt_llm_bls")
+             if m in configs}
+    if len(set(modes.values())) > 1:
+        problems.append(f"decoupled differs between tensorrt_llm and tensorrt_llm_bls: {modes} (one decoupled_mode)")
+    if "ensemble" in configs:
+        steps = [s.model_name for s in configs["ensemble"].ensemble_scheduling.step]
+        if steps != ["preprocessing", "tensorrt_llm", "postprocessing"]:
+            problems.append(f"ensemble/config.pbtxt: steps are {steps}, expected preprocessing, tensorrt_llm, "
+                            "postprocessing")
+    return problems
+
+
+def _parse_config(text: str):
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError:
+        raise ValueError("checking needs tritonclient: pip install 'kiln-llm[triton]'") from None
+    try:
+        return text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as e:
+        raise ValueError(str(e)) from None

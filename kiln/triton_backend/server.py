@@ -1,0 +1,123 @@
+"""`kiln triton-serve`: runs `tritonserver` on a repository. The one on PATH (NGC's container, with
+its own backends and Python), or else the binary in the `nvidia-pytriton` wheel, with a Python
+backend directory holding the stub for this interpreter's version and PYTHONPATH set so that the
+stub (the system's Python, in isolated mode: each model.py puts PYTHONPATH's entries on sys.path)
+imports kiln and this environment's packages."""
+import ctypes.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import kiln
+
+CACHE = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def python_path() -> str:
+    """kiln's root (an editable install has no other trace the stub would follow) and this
+    environment's site-packages, before whatever PYTHONPATH already holds."""
+    paths = sysconfig.get_paths()
+    entries = [str(Path(kiln.__file__).resolve().parent.parent), paths["purelib"], paths["platlib"],
+               *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return os.pathsep.join(dict.fromkeys(e for e in entries if e))
+
+
+def pytriton_server() -> tuple[Path, Path, Path]:
+    """(tritonserver, its libraries, a backend directory) from the nvidia-pytriton wheel."""
+    try:
+        import pytriton
+    except ImportError:
+        raise LaunchError("no tritonserver on PATH, and nvidia-pytriton is not installed: run in NGC's Triton "
+                          "container, or pip install 'kiln-llm[triton]'") from None
+    from importlib.metadata import version
+
+    dist = Path(pytriton.__file__).parent / "tritonserver"
+    libs = dist.parent.parent / "nvidia_pytriton.libs"
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / py / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise LaunchError(f"nvidia-pytriton has no Python-backend stub for Python {py}")
+    if ctypes.util.find_library(f"python{py}") is None:
+        raise LaunchError(f"the Python-backend stub for Python {py} needs the system's libpython{py}.so "
+                          f"(e.g. apt install libpython{py})")
+    backends = CACHE / "tritonserver" / f"pytriton-{version('nvidia-pytriton')}-py{py}" / "backends"
+    if not (backends / "python" / "triton_python_backend_stub").is_file():
+        backends.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=backends.parent))
+        (tmp / "python").mkdir()
+        for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
+            shutil.copy2(dist / "backends" / "python" / f, tmp / "python" / f)
+        shutil.copy2(stub, tmp / "python" / "triton_python_backend_stub")
+        try:
+            tmp.rename(backends)
+        except OSError:  # another launch got there first
+            shutil.rmtree(tmp)
+    return dist / "bin" / "tritonserver", libs, backends
+
+
+def command(repo, address: str, http_port: int, grpc_port: int, metrics_port: int, exit_timeout: int,
+            extra: tuple[str, ...] = ()) -> tuple[list[str], dict]:
+    env = dict(os.environ, PYTHONPATH=python_path())
+    args = [f"--model-repository={Path(repo).resolve()}", f"--http-address={address}", f"--http-port={http_port}",
+            f"--grpc-address={address}", f"--grpc-port={grpc_port}", f"--metrics-address={address}",
+            f"--metrics-port={metrics_port}", f"--exit-timeout-secs={exit_timeout}",
+            "--disable-auto-complete-config"]  # the configs are complete: load each model once, not twice
+    exe = shutil.which("tritonserver")
+    if exe is None:
+        server, libs, backends = pytriton_server()
+        exe = str(server)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), env.get("LD_LIBRARY_PATH")]))
+        args.append(f"--backend-directory={backends}")
+    return [exe, *args, *extra], env
+
+
+def serve(repo, address: str, http_port: int, grpc_port: int, metrics_port: int, exit_timeout: int,
+          extra: tuple[str, ...] = (), ready_timeout: float = 600, log=print) -> int:
+    """Start tritonserver, wait until it is ready, forward SIGINT/SIGTERM to it; its exit status."""
+    cmd, env = command(repo, address, http_port, grpc_port, metrics_port, exit_timeout, extra)
+    proc = subprocess.Popen(cmd, env=env)
+    forwarded = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        forwarded[sig] = signal.signal(sig, lambda s, _: proc.send_signal(s))
+    try:
+        host = "127.0.0.1" if address in ("0.0.0.0", "") else address
+        if _wait_ready(proc, f"http://{host}:{http_port}/v2/health/ready", ready_timeout):
+            log(f"tritonserver ready: HTTP {host}:{http_port}, gRPC {host}:{grpc_port}, "
+                f"metrics http://{host}:{metrics_port}/metrics")
+        elif proc.poll() is None:
+            log(f"tritonserver is not ready after {ready_timeout:g} s; stopping it")
+            proc.terminate()
+        else:
+            log(f"tritonserver exited with status {proc.returncode} before it was ready")
+        code = proc.wait()
+    finally:
+        for sig, handler in forwarded.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return code if code >= 0 else 128 - code
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False

@@ -392,7 +392,7 @@ class Sampler:
         from kiln.runtime import sampler_cpp  # packs rows for the op; imports this module
 
         self.backend = backend
-        self.torch = TorchSampler()
+        self.reference = TorchSampler()
         self.cpp = sampler_cpp
 
     def _use_cpp(self, logits: torch.Tensor) -> bool:
@@ -406,12 +406,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
         if not self._use_cpp(logits):
-            return self.torch(logits, rows)
+            return self.reference(logits, rows)
         return self.cpp.sample(logits, rows)
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         """The logits after min_tokens masking and the penalties (steps 1-3), as a new float32
         tensor: what greedy rows take the argmax of, before temperature/top-k/top-p/min-p."""
         if not self._use_cpp(logits):
-            return self.torch.process_logits(logits, rows)
+            return self.reference.process_logits(logits, rows)
         return self.cpp.process_logits(logits, rows)

@@ -22,9 +22,10 @@ Logprobs (``params.logprobs``) come from ``log_softmax`` of the RAW logits (vLLM
 penalties and temperature.
 
 ``TorchSampler`` is this spec, vectorized over the batch with torch ops; ``Sampler`` runs the
-kiln_cpp library's one-pass sampler (kiln/plugins/csrc/sampler.cpp: no sort of the vocabulary,
-top-p by rejection sampling, so its seeded draws differ from this one's wherever top-p cuts) when
-the library is built and the logits are on the CPU, and ``TorchSampler`` otherwise.
+kiln_cpp library's sampler (kiln/plugins/csrc/sampler.cpp: one call a batch, a few passes a row, no
+sort of the vocabulary, top-p by rejection sampling, so its seeded draws differ from this one's
+wherever top-p cuts) when the library loads and the logits are on the CPU, ``TorchSampler``
+otherwise.
 """
 
 from __future__ import annotations

@@ -4,15 +4,14 @@ For each vocabulary size and batch: one `Sampler` call on [batch, vocab] float32
 sampled (--sampled, by default the issue's `temperature 0.8, top_p 0.95, top_k 50,
 repetition_penalty 1.1`), each row with a history of --prompt_len prompt and --output_len output
 tokens (the repetition penalty reads both). Logits are N(0, 3^2) per token, about as peaked as a
-small trained model's. Prints the median milliseconds per call and the ratios, measured in the same
-run (on a shared machine, compare the ratios, not the times).
+small trained model's. Prints the best of --repeats milliseconds per call (on a shared machine the
+median mostly measures threads waiting for a core) and the ratios, measured in the same run.
 
   python benchmarks/sampler.py --vocab 8192 49152 --batch 1 16 64 --threads 2
 """
 import argparse
 import os
 import platform
-import statistics
 import time
 
 import torch
@@ -44,12 +43,12 @@ def parse_params(text: str) -> dict:
 
 def time_call(sampler, logits, rows, repeats: int) -> float:
     sampler(logits, rows)  # warm-up (and the C++ library's first load)
-    times = []
+    best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         sampler(logits, rows)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
 
 
 def main():

@@ -152,7 +152,8 @@ def test_parameter_edges(cpp):
     hist = [history(i, V) for i in range(16)]
 
     def draws(**kw):
-        return cpp(x, [SampleRow(SP(temperature=1.5, seed=i, **kw), *hist[i], make_generator(i)) for i in range(16)]).token_ids
+        rows = [SampleRow(SP(temperature=1.5, seed=i, **kw), *hist[i], make_generator(i)) for i in range(16)]
+        return cpp(x, rows).token_ids
 
     plain = draws()
     assert draws(top_k=V) == draws(top_k=V + 5) == draws(top_p=1.0) == draws(min_p=0.0) == plain
@@ -221,7 +222,8 @@ def test_auto_uses_cpp_and_falls_back_to_torch_when_the_library_cannot_build(tmp
               "from kiln.runtime.sampling_params import SamplingParams\n"
               "with warnings.catch_warnings(record=True) as w:\n"
               "    warnings.simplefilter('always')\n"
-              "    out = Sampler()(torch.tensor([[0.0, 9.0, 1.0]]), [SampleRow(SamplingParams(temperature=0), [], [])])\n"
+              "    greedy = SampleRow(SamplingParams(temperature=0), [], [])\n"
+              "    out = Sampler()(torch.tensor([[0.0, 9.0, 1.0]]), [greedy])\n"
               "print(out.token_ids, [str(m.message) for m in w])\n")
     env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path), "CXX": "no-such-c++-compiler"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

@@ -23,9 +23,10 @@ Logprobs (``params.logprobs``) come from ``log_softmax`` of the RAW logits (vLLM
 penalties and temperature.
 
 ``TorchSampler`` is this spec, vectorized over the batch with torch ops; ``Sampler`` runs the
-kiln_cpp library's one-pass sampler (kiln/plugins/csrc/sampler.cpp: no sort of the vocabulary,
-top-p by rejection sampling, so its seeded draws differ from this one's wherever top-p cuts) when
-the library is built and the logits are on the CPU, and ``TorchSampler`` otherwise.
+kiln_cpp library's sampler (kiln/plugins/csrc/sampler.cpp: one call a batch, a few passes a row, no
+sort of the vocabulary, top-p by rejection sampling, so its seeded draws differ from this one's
+wherever top-p cuts) when the library loads and the logits are on the CPU, ``TorchSampler``
+otherwise.
 """
 
 from __future__ import annotations
@@ -413,7 +414,7 @@ class Sampler:
         from kiln.runtime import sampler_cpp  # packs rows for the op; imports this module
 
         self.backend = backend
-        self.torch = TorchSampler()
+        self.reference = TorchSampler()
         self.cpp = sampler_cpp
 
     def _use_cpp(self, logits: torch.Tensor) -> bool:
@@ -427,12 +428,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
         if not self._use_cpp(logits):
-            return self.torch(logits, rows)
+            return self.reference(logits, rows)
         return self.cpp.sample(logits, rows)
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         """The logits after min_tokens masking and the penalties (steps 1-3), as a new float32
         tensor: what greedy rows take the argmax of, before temperature/top-k/top-p/min-p."""
         if not self._use_cpp(logits):
-            return self.torch.process_logits(logits, rows)
+            return self.reference.process_logits(logits, rows)
         return self.cpp.process_logits(logits, rows)

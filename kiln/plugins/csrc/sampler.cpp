@@ -18,6 +18,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -121,8 +122,8 @@ SamplerBatch make_batch(const at::Tensor& logits, const at::Tensor& fparams, con
     const float t = fp[r * kNumFloat + kTemperature], p = fp[r * kNumFloat + kTopP], m = fp[r * kNumFloat + kMinP];
     TORCH_CHECK(iparams.const_data_ptr<int64_t>()[r * kNumInt + kGreedy] || t > 0.f, kOp, "row ", r,
                 ": a sampled row needs temperature > 0, got ", t);
-    TORCH_CHECK(p > 0.f && p <= 1.f && m >= 0.f && m <= 1.f, kOp, "row ", r, ": top_p must be in (0, 1] and min_p in [0, 1], got ",
-                p, " and ", m);
+    TORCH_CHECK(p > 0.f && p <= 1.f && m >= 0.f && m <= 1.f, kOp, "row ", r,
+                ": top_p must be in (0, 1] and min_p in [0, 1], got ", p, " and ", m);
   }
   SamplerBatch b{};
   b.logits = logits.const_data_ptr<float>();
@@ -145,7 +146,9 @@ void grow(std::vector<T>& buffer, int64_t size) {
 
 void run(const SamplerBatch& b) {
   const SampleRowsFn k = kernel();
-  at::parallel_for(0, b.num_rows, 1, [&](int64_t begin, int64_t end) {
+  // ATen's grain (32768 elements per task): a few small rows are not worth waking a thread for.
+  const int64_t grain = std::max<int64_t>(1, 32768 / b.vocab);
+  at::parallel_for(0, b.num_rows, grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> values, spare;
     thread_local std::vector<int32_t> index, counts;
     thread_local std::vector<SamplerEntry> entries;

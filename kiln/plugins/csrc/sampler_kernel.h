@@ -6,8 +6,8 @@
 // - greedy: argmax of the (penalized) logits;
 // - sampled: the penalized logits / temperature; with top-k the tokens >= the k-th value (ties
 //   kept) are the candidates, the k-th value found by nth_element on the few elements above a
-//   bound from group maxima (kth_largest); otherwise the whole row is. exp(x - max) once; min-p
-//   is a threshold on x - max;
+//   bound from group maxima (top_k_candidates); otherwise the whole row is. exp(x - max) once;
+//   min-p is a threshold on x - max;
 // - top-p by rejection sampling (as FlashInfer): draw a token from the candidates in proportion
 //   to exp, accept it when the mass of the tokens before it (in the order probability
 //   descending, token id ascending) is below top_p of the total, else draw again from the tokens
@@ -19,7 +19,7 @@
 //   by a heap (vectors below its worst are skipped whole), the rank by counting the tokens with a
 //   larger logprob.
 // A draw's uniforms are a hash of (seed, stream, position, round) (splitmix64), so they need no
-// state and do not depend on the batch; sampler_cpp.py computes the same hash for the torch path.
+// state and do not depend on the batch; kiln/runtime/sampler.py's draw_uniform is the same hash.
 //
 // No static data in this file (see paged_attention_kernel.h).
 

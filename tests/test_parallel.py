@@ -10,7 +10,6 @@ processes (kiln/runtime/multiproc_executor.py), whose start dominates these test
 configuration starts once. States are reached deterministically (a worker stopped with SIGSTOP
 holds the step in flight) and waited for with bounded polls."""
 import asyncio
-import os
 import shutil
 import signal
 import socket
@@ -79,17 +78,22 @@ def parallel_engine(hf_model, tmp_path_factory):
     return get
 
 
-def batched_run(engine_dir) -> list[list[list[int]]]:
-    """Every prompt at once, prompt 0 with n = 2, in a small token budget and KV cache: tokens per sample."""
+def batched_run(engine_dir) -> tuple[list[list[list[int]]], list[float]]:
+    """Every prompt at once, prompt 0 with n = 2 and prompt 3 with prompt logprobs (more logits than
+    a decode step's), in a small token budget and KV cache: (tokens per sample, prompt logprobs)."""
     llm = LLM(engine_dir, max_num_tokens=CHUNK, max_tokens_in_paged_kv_cache=KV_BLOCKS * TPB)
     try:
-        outs = llm.generate(PROMPTS, [greedy(n=2)] + [greedy()] * (len(PROMPTS) - 1))
+        params = [greedy(n=2)] + [greedy()] * (len(PROMPTS) - 1)
+        params[3] = greedy(prompt_logprobs=1)
+        outs = llm.generate(PROMPTS, params)
         core = llm.llm_engine.core
         lens = [len(o.prompt_token_ids) for o in outs]
         assert max(lens) > CHUNK and min(lens) < CHUNK  # mixed lengths, some chunked
         assert core.scheduler.num_preemptions > 0
         assert core.kv.pool.num_free == core.kv.pool.num_blocks
-        return [[c.token_ids for c in o.outputs] for o in outs]
+        # Each prompt token's logprob (the top-1 alternatives could swap at a near tie).
+        scored = [lp[t] for t, lp in zip(outs[3].prompt_token_ids[1:], outs[3].prompt_logprobs[1:])]
+        return [[c.token_ids for c in o.outputs] for o in outs], scored
     finally:
         llm.llm_engine.shutdown()
 
@@ -118,7 +122,10 @@ def test_same_tokens_as_one_rank(parallel_engine, reference, name, tp, pp, backe
     engine_dir = parallel_engine(name, tp, pp, backend)
     assert sorted(p.name for p in engine_dir.glob("rank*.engine")) == [f"rank{r}.engine" for r in range(tp * pp)]
     before = workers()
-    assert batched_run(engine_dir) == reference(name)
+    tokens, prompt_logprobs = batched_run(engine_dir)
+    want_tokens, want_logprobs = reference(name)
+    assert tokens == want_tokens
+    assert prompt_logprobs == pytest.approx(want_logprobs, abs=1e-4)
     wait_gone([p for p in workers() if p not in before])
 
 
@@ -314,3 +321,18 @@ def test_rank_failing_to_load_fails_the_start(parallel_engine, tmp_path):
     with pytest.raises(ConfigError, match=r"failed to load rank 1 \(pid \d+\): .*rank1.engine is not a loadable"):
         LLM(broken)
     assert workers() == before
+
+
+def test_worker_dying_while_idle_is_noticed(parallel_engine):
+    """No request in flight: the engine core's idle wait watches the workers too."""
+    died = []
+    llm = AsyncLLM(parallel_engine("llama", 1, 2), max_tokens_in_paged_kv_cache=512, on_dead=died.append)
+    procs = workers()
+    procs[0].kill()
+    deadline = time.monotonic() + 10
+    while llm.dead is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert isinstance(llm.dead, EngineDeadError) and died == [llm.dead]
+    assert f"rank 0 (pid {procs[0].pid}) was killed by SIGKILL" in str(llm.dead)
+    llm.shutdown()
+    wait_gone(procs, timeout=10)

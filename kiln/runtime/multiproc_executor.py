@@ -11,6 +11,7 @@ engine core's idle loop waits on `sentinels` too), kills the other workers and r
 EngineDeadError naming the rank. The workers end on their own when this process dies: their wake
 pipe reads end-of-file, and a rank blocked in a collective with a dead rank gets an error.
 """
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from kiln.config import ConfigError, EngineConfig
 from kiln.runtime.executor import EngineDeadError
@@ -31,8 +33,6 @@ from kiln.runtime.worker import warmup_inputs
 class MultiprocExecutor:
     def __init__(self, engine_dir, kv_cache_free_mem_fraction: float | None = None,
                  max_tokens_in_paged_kv_cache: int | None = None, threads: int = 1):
-        import torch.distributed as dist
-
         self.config = EngineConfig.load(engine_dir)
         p, b = self.config.pretrained_config, self.config.build_config
         world = p.mapping.world_size
@@ -72,8 +72,6 @@ class MultiprocExecutor:
             raise
 
     def _spawn(self, rank: int, spec: dict) -> None:
-        import json
-
         wake_r, wake_w = os.pipe()
         reply_r, reply_w = os.pipe()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -115,12 +113,19 @@ class MultiprocExecutor:
         return self._fail()
 
     def _fail(self, message: str = "") -> EngineDeadError:
-        """The engine is dead: the ranks that died (the cause) and what a rank reported, if any."""
+        """The engine is dead: named by the ranks that died of a signal or an unexpected exit code
+        (the cause; what the others then reported is a consequence), else by what a rank reported."""
         if self.dead is None:
-            causes = [f"rank {r} (pid {p.pid}) " + (f"was killed by {signal.Signals(-p.returncode).name}"
-                                                     if p.returncode < 0 else f"exited with code {p.returncode}")
-                      for r, p in enumerate(self.procs) if p.poll() is not None and not message.startswith(f"rank {r} ")]
-            self.dead = EngineDeadError("the engine died: " + "; ".join(causes + [message] if message else causes))
+            def status(r, p):
+                code = p.returncode
+                return f"rank {r} (pid {p.pid}) " + (f"was killed by {signal.Signals(-code).name}" if code < 0
+                                                     else f"exited with code {code}")
+
+            exited = [(r, p) for r, p in enumerate(self.procs) if p.poll() is not None]
+            causes = [status(r, p) for r, p in exited if p.returncode not in (0, 1)]
+            if not causes:
+                causes = [message] if message else [status(r, p) for r, p in exited]
+            self.dead = EngineDeadError("the engine died: " + "; ".join(causes))
             _stop(self.procs, self.wakes, self.replies, [], graceful=False)
         return self.dead
 

@@ -20,8 +20,6 @@ from pathlib import Path
 from kiln.runtime.engine_core import EngineCore, EngineCoreOutputs, EngineCoreRequest
 from kiln.runtime.executor import EngineDeadError
 
-__all__ = ["MODES", "EngineDeadError", "InprocClient", "BackgroundClient", "run_engine_core"]
-
 MODES = ("inproc", "thread", "process")
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from kiln.config import ConfigError, EngineConfig
 from kiln.runtime.executor import EngineDeadError
-from kiln.runtime.shm_ring import ShmRing, decode, encode
+from kiln.runtime.shm_ring import ShmRing, decode
 from kiln.runtime.worker import warmup_inputs
 
 
@@ -62,7 +62,7 @@ class MultiprocExecutor:
             self.num_blocks = min(self._loaded())
             self.steps.unlink()  # mapped by every worker: nothing is left in /dev/shm, whatever happens
             self.results.unlink()
-            self._broadcast(encode("allocate", {"num_blocks": torch.tensor(self.num_blocks)}))
+            self._broadcast("allocate", {"num_blocks": torch.tensor(self.num_blocks)})
             self.execute(warmup_inputs())
         except EngineDeadError as e:
             self.shutdown()
@@ -149,16 +149,15 @@ class MultiprocExecutor:
         if self._copies:
             inputs = {**inputs, "copy_blocks": torch.tensor(self._copies, dtype=torch.int64)}
             self._copies = []
-        self._broadcast(encode("step", inputs))
+        self._broadcast("step", inputs)
         return self._result()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._copies.extend(pairs)  # done by every rank before the next step, which first reads them
 
-    def _broadcast(self, message: bytes) -> None:
-        if not self.steps.write(self._sent, message):
-            raise RuntimeError(f"a step's inputs ({len(message)} bytes) do not fit the ring's "
-                               f"{self.steps.slot_bytes}-byte slot")
+    def _broadcast(self, kind: str, tensors: dict) -> None:
+        if not self.steps.write(self._sent, kind, tensors):
+            raise RuntimeError(f"a step's inputs do not fit the ring's {self.steps.slot_bytes}-byte slot")
         self._sent += 1
         for rank, fd in enumerate(self.wakes):
             try:

@@ -23,15 +23,33 @@ SHM = Path("/dev/shm")
 _LEN = struct.Struct("<Q")
 
 
-def encode(kind: str, tensors: dict | None = None) -> bytes:
-    header, chunks, offset = [], [], 0
-    for name, t in (tensors or {}).items():
-        data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, len(data)])
-        chunks.append(data)
-        offset += len(data)
-    head = json.dumps({"kind": kind, "tensors": header}).encode()
-    return _LEN.pack(len(head)) + head + b"".join(chunks)
+def _header(kind: str, tensors: dict) -> tuple[bytes, int]:
+    """The message's header (its length first) and the size of the tensor bytes after it."""
+    entries, size = [], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), size, nbytes])
+        size += nbytes
+    head = json.dumps({"kind": kind, "tensors": entries}).encode()
+    return _LEN.pack(len(head)) + head, size
+
+
+def _put(buf, start: int, tensors: dict) -> None:
+    """Each tensor's bytes, in order, into the writable buffer from `start`: one copy, no bytes object."""
+    for t in tensors.values():
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start)
+            dst.copy_(t.contiguous().reshape(-1).view(torch.uint8))
+            start += nbytes
+
+
+def encode(kind: str, tensors: dict | None = None) -> bytearray:
+    head, size = _header(kind, tensors or {})
+    out = bytearray(len(head) + size)
+    out[:len(head)] = head
+    _put(out, len(head), tensors or {})
+    return out
 
 
 def decode(buf) -> tuple[str, dict]:
@@ -44,8 +62,8 @@ def decode(buf) -> tuple[str, dict]:
     for name, dtype, shape, offset, size in head["tensors"]:
         dt = getattr(torch, dtype)
         if size:
-            raw = torch.frombuffer(bytearray(buf[base + offset:base + offset + size]), dtype=torch.uint8)
-            tensors[name] = raw.view(dt).view(shape)
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=size, offset=base + offset)
+            tensors[name] = raw.clone().view(dt).view(shape)
         else:
             tensors[name] = torch.empty(shape, dtype=dt)
     return head["kind"], tensors
@@ -75,13 +93,15 @@ class ShmRing:
     def attach(cls, path: str, slots: int, slot_bytes: int) -> "ShmRing":
         return cls(Path(path), slots, slot_bytes, create=False)
 
-    def write(self, n: int, message: bytes) -> bool:
-        """Message n into its slot; False (nothing written) when it does not fit one."""
-        if _LEN.size + len(message) > self.slot_bytes:
+    def write(self, n: int, kind: str, tensors: dict | None = None) -> bool:
+        """Message n into its slot, the tensors copied straight in; False (nothing written) when it
+        does not fit one."""
+        head, size = _header(kind, tensors or {})
+        if _LEN.size + len(head) + size > self.slot_bytes:
             return False
         start = (n % self.slots) * self.slot_bytes
-        self.map[start:start + _LEN.size] = _LEN.pack(len(message))
-        self.map[start + _LEN.size:start + _LEN.size + len(message)] = message
+        self.map[start:start + _LEN.size + len(head)] = _LEN.pack(len(head) + size) + head
+        _put(self.map, start + _LEN.size + len(head), tensors or {})
         return True
 
     def read(self, n: int) -> tuple[str, dict]:

@@ -22,14 +22,14 @@ from kiln.runtime.shm_ring import decode, encode
 from kiln.runtime.worker import RankWorker, error_report, warmup_inputs
 
 
-def _broadcast(message: bytes | None = None) -> bytes:
-    """Rank 0's message (given there) on every rank."""
+def _broadcast(message: bytearray | None = None):
+    """Rank 0's encoded message (given there) on every rank."""
     size = torch.tensor([len(message) if message is not None else 0], dtype=torch.int64)
     dist.broadcast(size, 0)
-    buf = (torch.frombuffer(bytearray(message), dtype=torch.uint8) if message is not None
+    buf = (torch.frombuffer(message, dtype=torch.uint8) if message is not None
            else torch.empty(int(size), dtype=torch.uint8))
     dist.broadcast(buf, 0)
-    return buf.numpy().tobytes()
+    return buf.numpy()
 
 
 def _ranks_per_machine() -> int:

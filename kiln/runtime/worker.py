@@ -113,8 +113,8 @@ def main(spec: dict, wake_fd: int, reply: Connection) -> int:
                 continue
             logits = worker.execute(tensors)
             if results is not None:
-                message = encode("logits", {"logits": logits})
-                reply.send(("result", None if results.write(0, message) else message))
+                fits = results.write(0, "logits", {"logits": logits})
+                reply.send(("result", None if fits else encode("logits", {"logits": logits})))
     except Exception as e:  # noqa: BLE001 - a rank that fails a step takes the engine down
         reply.send(("error", *error_report(rank, e)))
         return 1

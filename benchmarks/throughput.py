@@ -83,6 +83,17 @@ def time_kiln(llm, batch, input_len, output_len, vocab):
     return batch * (output_len - 1) / max(total - prefill, 1e-9)
 
 
+def decode_kiln(llm, batch, input_len, output_len, vocab):
+    """Decode tokens/s of `batch` requests prefilled together: their tokens after the first over the
+    time from the first first token to the last finish (no prefill time subtracted)."""
+    from kiln import SamplingParams
+
+    ids = [{"prompt_token_ids": p} for p in prompts(batch, input_len, vocab)]
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    start = min(o.metrics.first_token_time for o in outs)
+    return sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (max(o.metrics.finished_time for o in outs) - start)
+
+
 def time_hf(model, batch, input_len, output_len, vocab):
     ids = torch.tensor(prompts(batch, input_len, vocab))
 
@@ -279,19 +290,20 @@ def main():
     hf = None
     if not args.skip_hf:
         hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
-    for batch in args.batch:
+    for batch in args.batch if not parallel else []:  # with --parallel the comparison below measures it
         ours = max(time_kiln(llm, batch, args.input_len, args.output_len, vocab) for _ in range(args.repeats))
         theirs = max(time_hf(hf, batch, args.input_len, args.output_len, vocab)
                      for _ in range(args.repeats)) if hf else None
         results["decode"][batch] = {"kiln": ours, "hf": theirs}
-    ours = prefill_kiln(llm, args.prefill_len, vocab)
-    theirs = prefill_hf(hf, args.prefill_len, vocab) if hf else None
-    results["prefill"][args.prefill_len] = {"kiln": ours, "hf": theirs}
+    if not parallel:
+        ours = prefill_kiln(llm, args.prefill_len, vocab)
+        theirs = prefill_hf(hf, args.prefill_len, vocab) if hf else None
+        results["prefill"][args.prefill_len] = {"kiln": ours, "hf": theirs}
     if args.long_context:
         short = decode_seconds_at(llm, args.input_len, vocab)
         long = decode_seconds_at(llm, args.long_context, vocab)
         results["long_context"] = {"context": args.long_context, "short_s": short, "long_s": long}
-    if args.prefill_len + 15 <= llm.llm_engine.core.scheduler.max_num_tokens and max_batch >= 16:
+    if args.prefill_len + 15 <= llm.llm_engine.core.scheduler.max_num_tokens and max_batch >= 16 and not parallel:
         mixed, pre, dec = mixed_step(llm.llm_engine, vocab, args.prefill_len, 15, args.input_len)
         results["mixed_step"] = {"mixed_s": mixed, "prefill_s": pre, "decode15_s": dec}
     if args.roofline:
@@ -302,23 +314,30 @@ def main():
         roof = max(v for t in sorted({1, threads}) for v in bandwidth(1.0, t).values())
         torch.set_num_threads(threads)
         moved = decode_bytes_per_token(llm.llm_engine.core.executor.engine, args.input_len + args.output_len // 2)
-        results["roofline"] = {"gb_s": roof, "batch1_gb_s": moved * results["decode"][min(args.batch)]["kiln"] / 1e9}
-    llm.llm_engine.shutdown()
-    del llm
+        if results["decode"]:
+            results["roofline"] = {"gb_s": roof,
+                                   "batch1_gb_s": moved * results["decode"][min(args.batch)]["kiln"] / 1e9}
+
+    def measure(engine, entry):  # the multi-rank comparison: every engine measured the same way
+        for batch in args.batch:
+            entry["decode"][batch] = max(decode_kiln(engine, batch, args.input_len, args.output_len, vocab)
+                                         for _ in range(args.repeats))
+        entry["prefill"][args.prefill_len] = max(prefill_kiln(engine, args.prefill_len, vocab)
+                                                 for _ in range(args.repeats))
+        return entry
 
     results["parallel"] = {}
+    if parallel:
+        results["parallel"]["1x1"] = measure(llm, {"engine": str(engine_dir), "decode": {}, "prefill": {}})
+    llm.llm_engine.shutdown()
+    del llm
     for (tp, pp), pdir in parallel_dirs.items():
         start = time.perf_counter()
         plm = LLM(pdir)
-        entry = {"engine": str(pdir), "load_seconds": time.perf_counter() - start, "decode": {}, "prefill": {},
-                 "build": builds.get((tp, pp))}
-        for batch in args.batch:
-            entry["decode"][batch] = max(time_kiln(plm, batch, args.input_len, args.output_len, vocab)
-                                         for _ in range(args.repeats))
-        entry["prefill"][args.prefill_len] = prefill_kiln(plm, args.prefill_len, vocab)
+        results["parallel"][f"{tp}x{pp}"] = measure(plm, {"engine": str(pdir), "load_seconds": time.perf_counter() - start,
+                                                          "decode": {}, "prefill": {}, "build": builds.get((tp, pp))})
         plm.llm_engine.shutdown()
         del plm
-        results["parallel"][f"{tp}x{pp}"] = entry
     if any(tp > 1 for tp, _ in parallel):
         sys.path.insert(0, str(Path(__file__).parent))
         import all_reduce
@@ -352,11 +371,13 @@ def main():
         print(f"roofline: {r['gb_s']:.1f} GB/s; batch-{min(args.batch)} decode moves {r['batch1_gb_s']:.1f} GB/s "
               f"= {r['batch1_gb_s'] / r['gb_s']:.0%}")
     if results["parallel"]:
-        labels = list(results["parallel"])
+        labels = [m for m in results["parallel"] if m != "1x1"]
+        one = results["parallel"]["1x1"]
         print(f"{'tokens/s against one rank':<32} {'tp1':>10} " + " ".join(f"{'tp' + m.replace('x', ' pp'):>16}"
                                                                        for m in labels))
-        measures = [(f"decode batch {b}", results["decode"][b]["kiln"], "decode", b) for b in args.batch]
-        measures.append((f"prefill {args.prefill_len} tokens", results["prefill"][args.prefill_len]["kiln"], "prefill",
+        measures = [(f"decode batch {b} ({args.input_len}+{args.output_len})", one["decode"][b], "decode", b)
+                    for b in args.batch]
+        measures.append((f"prefill {args.prefill_len} tokens", one["prefill"][args.prefill_len], "prefill",
                          args.prefill_len))
         for label, base, kind, key in measures:
             cells = []

@@ -43,7 +43,19 @@ def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildC
         bar.update(1)
         backends.COMPILERS[build.backend](program, path, build.max_autotune)
         bar.update(1)
-    return RankBuild(rank, time.time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return RankBuild(rank, time.time() - start, own_peak_rss_mb())
+
+
+def own_peak_rss_mb() -> float:
+    """This process's peak RSS. Not getrusage's: on Linux a child's ru_maxrss starts from its
+    parent's RSS at fork, exec or not; VmHWM belongs to the process's own address space."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def build_ranks(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildConfig, out: Path,

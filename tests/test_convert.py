@@ -375,3 +375,19 @@ def test_cli_success_summary(hf_dirs, tmp_path):
     help_text = CliRunner().invoke(main, ["--help"]).stdout
     for flag in ("--model_dir", "--output_dir", "--dtype", "--tp_size", "--pp_size"):
         assert flag in help_text
+
+
+@pytest.mark.parametrize("kind,tp", [("llama", 2), ("llama", 4), ("qwen2", 4)])
+def test_shard_tensor_splits_a_whole_checkpoint_as_the_converter_does(hf_dirs, tmp_path, kind, tp):
+    """kiln.convert.shard.shard_tensor (which splits quantized checkpoints) cuts the tensors of a tp 1
+    checkpoint exactly as the converter writes tp ranks: odd vocab padded, KV heads replicated at tp 4."""
+    from kiln.convert.shard import shard_tensor
+
+    whole = load_file(convert_checkpoint(hf_dirs[kind], tmp_path / "whole") / "rank0.safetensors")
+    out = convert_checkpoint(hf_dirs[kind], tmp_path / "sharded", tp_size=tp)
+    cfg = PretrainedConfig.load(out)
+    for rank in range(tp):
+        want = load_file(out / f"rank{rank}.safetensors")
+        assert set(want) == set(whole)
+        for name, t in whole.items():
+            assert torch.equal(shard_tensor(cfg, name, t, rank), want[name]), (rank, name)

@@ -168,17 +168,23 @@ def test_engine_build_script_bad_checkpoint(kind, bad_checkpoint, tmp_path):
     assert_nothing_written(out)
 
 
-def test_build_multi_rank_checkpoint(tp2_checkpoint, tmp_path):
+def test_build_multi_rank_checkpoint_with_a_bad_rank(tp2_checkpoint, tmp_path):
+    """Each rank builds from its own file; a bad one fails the build with that rank's message,
+    in this process and from a parallel build process (--workers 2), and nothing is written."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tp2_checkpoint, ckpt)
+    data = (ckpt / "rank1.safetensors").read_bytes()
+    (ckpt / "rank1.safetensors").write_bytes(data[: len(data) // 2])
     out = tmp_path / "e"
-    with pytest.raises(ConfigError, match="single-rank") as e:
-        build_engine(tp2_checkpoint, out, EAGER, log=lambda *_: None)
-    assert_one_line(str(e.value), "world_size 2", "single-rank engines only", "--tp_size 1")
+    with pytest.raises(ConfigError) as e:
+        build_engine(ckpt, out, EAGER, log=lambda *_: None)
+    assert_one_line(str(e.value), "rank1.safetensors is not a readable safetensors file")
     assert_nothing_written(out)
 
-    result = CliRunner().invoke(build_main, ["--checkpoint_dir", str(tp2_checkpoint), "--output_dir", str(out),
+    result = CliRunner().invoke(build_main, ["--checkpoint_dir", str(ckpt), "--output_dir", str(out), "--workers", "2",
                                              *BUILD_ARGS])
     assert result.exit_code != 0
-    assert_one_line(error_line(result.output), "Error:", "world_size 2", "single-rank")
+    assert_one_line(error_line(result.output), "Error: rank 1:", "rank1.safetensors is not a readable safetensors file")
     assert_nothing_written(out)
 
 

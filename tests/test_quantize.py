@@ -456,7 +456,9 @@ def _kv_no_calib(calib, tmp):
 
 
 def _tp(calib, tmp):
-    return ["--qformat", "int8_wo", "--tp_size", "2"], "--tp_size 2 with quantization is not supported"
+    return (["--qformat", "int4_wo", "--tp_size", "2", "--group_size", "64"],
+            "--group_size 64 does not divide the input dimension 32 that each of --tp_size 2 ranks holds of "
+            "attention.dense")
 
 
 @pytest.mark.parametrize("make", [_missing, _empty, _bad_jsonl, _group, _no_calib, _kv_no_calib, _tp],

@@ -7,12 +7,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kiln.build import backends
-from kiln.build.export import export, kv_cache_dtype
+from kiln.build.export import kv_cache_dtype
+from kiln.build.ranks import build_ranks
 from kiln.convert.writer import copy_tokenizer_files, has_tokenizer
 from kiln.config import BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json, torch_dtype, write_json
 from kiln.models.linear import FP8, check_quantization
-from kiln.models.llama import LlamaForCausalLM, checkpoint_tensors
+from kiln.models.llama import checkpoint_tensors
 from kiln.utils import peak_rss_mb, replace_dir, progress
 
 
@@ -89,18 +89,17 @@ def check_output_dir(checkpoint_dir: Path, output_dir: Path) -> None:
                                   f"with build_config); remove it or choose another output dir")
 
 
-def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, tokenizer_dir=None) -> Path:
+def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, tokenizer_dir=None,
+                 workers: int = 1) -> Path:
     """tokenizer_dir: where the tokenizer files come from (default: the checkpoint dir; ModelOpt's
-    exports carry none, so their users pass the HF model dir, as TensorRT-LLM's do)."""
+    exports carry none, so their users pass the HF model dir, as TensorRT-LLM's do). workers: rank
+    engines built at once, each in a process of its own (kiln/build/ranks.py)."""
     start = time.time()
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
         raise ConfigError(f"tokenizer dir {tokenizer_dir} not found")
     check_output_dir(checkpoint_dir, output_dir)
     pretrained = PretrainedConfig.load(checkpoint_dir)
-    if pretrained.mapping.world_size != 1:
-        raise ConfigError(f"checkpoint {checkpoint_dir} has world_size {pretrained.mapping.world_size}; "
-                          f"this release builds single-rank engines only (convert with --tp_size 1 --pp_size 1)")
     try:
         check_quantization(pretrained)
     except ConfigError as e:
@@ -128,20 +127,20 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
         # for a much longer build. With the GEMM plugin no GEMM is left for Inductor to tune.
         build.max_autotune = (build.backend == "aoti" and pretrained.dtype != "float32"
                               and build.plugin_config["gemm_plugin"] != "cpp")
+    if pretrained.mapping.tp_size > 1:
+        # TensorRT-LLM's name for its collectives plugin: the graph calls kiln_cpp::all_reduce/all_gather.
+        build.plugin_config["nccl_plugin"] = "cpp"
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:
-        for rank in range(pretrained.mapping.world_size):
-            with progress(total=3, desc=f"rank {rank}") as bar:
-                weights = load_rank_weights(checkpoint_dir, pretrained, rank)
-                model = LlamaForCausalLM(pretrained, weights, pretrained.mapping.pp_rank(rank),
-                                         build.plugin_config).eval()
+        world = pretrained.mapping.world_size
+        with progress(total=world, desc="ranks", disable=workers == 1 or world == 1) as bar:
+            def built(r):
                 bar.update(1)
-                program = export(model, pretrained, build)
-                del model, weights
-                bar.update(1)
-                backends.COMPILERS[build.backend](program, tmp / f"rank{rank}.engine", build.max_autotune)
-                bar.update(1)
+                if world > 1:
+                    log(f"rank {r.rank}: built in {r.seconds:.1f}s, peak RSS {r.peak_rss_mb:.0f} MB")
+
+            build_ranks(checkpoint_dir, pretrained, build, tmp, workers, built)
         write_json(tmp / "config.json", EngineConfig(pretrained, build).to_dict())
         tokenizer_from = Path(tokenizer_dir or checkpoint_dir)
         copy_tokenizer_files(tokenizer_from, tmp)

@@ -29,7 +29,8 @@ BUILD_OPTIONS = [
                       "quantized, decoded in the kernel) or traced inline onto ATen / Inductor GEMMs. "
                       "Default: cpp for aoti with bf16/fp16 or quantized weights, else inline."),
     click.option("--workers", type=int, default=1, show_default=True,
-                 help="Ranks compiled in parallel; this release builds single-rank engines, so one is used."),
+                 help="Rank engines compiled at once, each in a process of its own that reads only its "
+                      "rank's weights (1: every rank in turn, in this process)."),
 ]
 
 
@@ -60,6 +61,6 @@ def main(checkpoint_dir, output_dir, workers, tokenizer_dir, gpt_attention_plugi
         build = BuildConfig(**options)
         build.plugin_config["gpt_attention_plugin"] = gpt_attention_plugin
         build.plugin_config["gemm_plugin"] = gemm_plugin
-        build_engine(checkpoint_dir, output_dir, build, log=click.echo, tokenizer_dir=tokenizer_dir)
+        build_engine(checkpoint_dir, output_dir, build, log=click.echo, tokenizer_dir=tokenizer_dir, workers=workers)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None

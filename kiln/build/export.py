@@ -3,6 +3,7 @@ import torch
 from torch.export import Dim
 
 from kiln.config import BuildConfig, PretrainedConfig, torch_dtype
+from kiln.models.llama import HIDDEN_STATES
 
 
 KV_CACHE_QUANT_DTYPES = {"FP8": torch.float8_e4m3fn, "INT8": torch.int8}
@@ -15,17 +16,19 @@ def kv_cache_dtype(pretrained: PretrainedConfig, build: BuildConfig) -> torch.dt
     return torch_dtype(build.kv_cache_dtype or pretrained.dtype)
 
 
-def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks: int = 16):
+def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks: int = 16, rank: int = 0):
     """A small mixed step (2 context chunks + 3 decodes) with every dynamic size distinct and > 1,
-    so that export neither specializes a size nor infers equalities that do not hold."""
+    so that export neither specializes a size nor infers equalities that do not hold; for rank
+    `rank`, whose pipeline stage may start from hidden states."""
     bs = build.tokens_per_block
     ctx_q, num_ctx, num_gen = 3, 2, 3
     T = ctx_q * num_ctx + num_gen
     i32 = dict(dtype=torch.int32)
     ctx_token_index = torch.arange(num_ctx * ctx_q, **i32).view(num_ctx, ctx_q)
-    kv = torch.zeros(len(pretrained.layers_of(0)), 2, num_blocks, bs, pretrained.kv_heads_per_rank,
+    pp_rank = pretrained.mapping.pp_rank(rank)
+    kv = torch.zeros(len(pretrained.layers_of(pp_rank)), 2, num_blocks, bs, pretrained.kv_heads_per_rank,
                      pretrained.head_size, dtype=kv_cache_dtype(pretrained, build))
-    return dict(
+    inputs = dict(
         input_ids=torch.arange(T, dtype=torch.int64) % pretrained.vocab_size,
         positions=torch.arange(T, dtype=torch.int64),
         slot_mapping=torch.arange(T, dtype=torch.int64),
@@ -38,6 +41,9 @@ def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks:
         logits_index=torch.arange(T - 5, T, dtype=torch.int64),
         kv_cache=kv,
     )
+    if pp_rank > 0:
+        inputs[HIDDEN_STATES] = torch.randn(T, pretrained.hidden_size).to(torch_dtype(pretrained.dtype))
+    return inputs
 
 
 def dynamic_shapes(build: BuildConfig, inputs: dict):
@@ -57,15 +63,16 @@ def dynamic_shapes(build: BuildConfig, inputs: dict):
     MBg = dim("gen_blocks", 1, build.max_blocks_per_seq, size("gen_block_tables", 1))
     N = dim("num_logits", 1, build.max_num_tokens, size("logits_index", 0))
     blocks = Dim("num_blocks", min=2, max=1 << 24)
+    hidden = {HIDDEN_STATES: {0: T}} if HIDDEN_STATES in inputs else {}
     return dict(
         input_ids={0: T}, positions={0: T}, slot_mapping={0: T},
         ctx_token_index={0: Sc, 1: Q}, ctx_block_tables={0: Sc, 1: MBc}, ctx_context_lens={0: Sc},
         gen_token_index={0: Sg}, gen_block_tables={0: Sg, 1: MBg}, gen_context_lens={0: Sg},
-        logits_index={0: N}, kv_cache={2: blocks},
+        logits_index={0: N}, kv_cache={2: blocks}, **hidden,
     )
 
 
-def export(model: torch.nn.Module, pretrained: PretrainedConfig, build: BuildConfig):
-    inputs = example_inputs(pretrained, build)
+def export(model: torch.nn.Module, pretrained: PretrainedConfig, build: BuildConfig, rank: int = 0):
+    inputs = example_inputs(pretrained, build, rank=rank)
     with torch.no_grad():
         return torch.export.export(model, (), inputs, dynamic_shapes=dynamic_shapes(build, inputs), strict=False)

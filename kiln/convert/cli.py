@@ -60,7 +60,7 @@ def convert_checkpoint(
 
 def _convert_quantized(cfg, quant, model_dir: Path, output_dir: Path, log) -> Path:
     from kiln.convert.hf import HFWeights
-    from kiln.convert.quantize.pipeline import prepare, quantize, stage_tensors
+    from kiln.convert.quantize.pipeline import prepare, quantize, rank_tensors
     from kiln.convert.quantize.report import REPORT_FILE
     from kiln.convert.shard import source_shapes
     from kiln.convert.writer import check_output_dir, write_ranks
@@ -70,7 +70,7 @@ def _convert_quantized(cfg, quant, model_dir: Path, output_dir: Path, log) -> Pa
     with HFWeights(model_dir) as weights:
         weights.check(source_shapes(cfg))
         tensors, report = quantize(cfg, quant, texts, weights, model_dir, log)
-    ranks = (stage_tensors(cfg, tensors, r) for r in range(cfg.mapping.pp_size))
+    ranks = (rank_tensors(cfg, tensors, r) for r in range(cfg.mapping.world_size))
     write_ranks(cfg, ranks, model_dir, output_dir, {REPORT_FILE: report} if report else None)
     return output_dir
 

@@ -155,3 +155,63 @@ def rank_plan(cfg: PretrainedConfig, rank: int) -> list[tuple[str, Builder]]:
         head = HF_EMBED if cfg.tie_word_embeddings else HF_LM_HEAD
         plan.append(("lm_head.weight", partial(_vocab, cfg, head, tp_rank)))
     return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# splitting a whole (tp 1) checkpoint's tensors, quantized ones included
+
+COLUMN_PARALLEL = ("attention.qkv", "mlp.fc", "mlp.gate")
+ROW_PARALLEL = ("attention.dense", "mlp.proj")
+
+
+def _rows(t: torch.Tensor, ranges: list[tuple[int, int]], out: int) -> torch.Tensor:
+    """Output rows [a, b) of each range, of a tensor holding `out` rows in t.shape[0] (a packed int4
+    weight holds two per row)."""
+    per = t.shape[0] / out
+    return torch.cat([t[int(a * per):int(b * per)] for a, b in ranges])
+
+
+def output_ranges(cfg: PretrainedConfig, linear: str, tp_rank: int) -> list[tuple[int, int]]:
+    """The output rows of a column-parallel linear that tp rank `tp_rank` holds."""
+    tp, hd = cfg.mapping.tp_size, cfg.head_size
+    if linear == "attention.qkv":
+        q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        per_q, kv = cfg.heads_per_rank * hd, kv_head_range(cfg, tp_rank)
+        return [(tp_rank * per_q, (tp_rank + 1) * per_q),
+                (q_out + kv.start * hd, q_out + kv.stop * hd),
+                (q_out + kv_out + kv.start * hd, q_out + kv_out + kv.stop * hd)]
+    part = cfg.intermediate_size // tp
+    return [(tp_rank * part, (tp_rank + 1) * part)]
+
+
+def shard_tensor(cfg: PretrainedConfig, name: str, t: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """Tensor `name` of the whole checkpoint (tp 1, any quant_algo) -> tp rank `tp_rank`'s part,
+    laid out as rank_plan lays out plain tensors. Per-tensor scales (one value) are replicated;
+    per-channel and per-group scales, packed int4 rows and pre-quant scales split with the
+    dimension they belong to."""
+    from kiln.convert.quantize.formats import linear_shapes
+
+    tp = cfg.mapping.tp_size
+    if tp == 1:
+        return t
+    if name in ("transformer.vocab_embedding.weight", "lm_head.weight"):
+        part = cfg.vocab_size_padded // tp
+        rows = t[tp_rank * part:(tp_rank + 1) * part]
+        return torch.cat([rows, rows.new_zeros((part - rows.shape[0], *t.shape[1:]))]) if rows.shape[0] < part else rows
+    linear, _, suffix = name.partition(".layers.")[2].partition(".")[2].rpartition(".")
+    if t.numel() == 1 or linear not in COLUMN_PARALLEL + ROW_PARALLEL:
+        return t  # norms, KV cache scales, per-tensor weight/activation scales
+    out, inp = linear_shapes(cfg)[linear]
+    if linear in COLUMN_PARALLEL:
+        if suffix == "prequant_scaling_factor":  # scales the shared input
+            return t
+        return _rows(t, output_ranges(cfg, linear, tp_rank), out).contiguous()
+    # Row-parallel: the input dimension splits; a per-channel scale of the outputs is whole.
+    if suffix == "prequant_scaling_factor":
+        dim, size = 0, inp
+    elif t.dim() == 2:  # the weight [out, in] (int4: [out / 2, in]) or group scales [out, in / g]
+        dim, size = 1, t.shape[1]
+    else:
+        return t
+    part = size // tp
+    return t.narrow(dim, tp_rank * part, part).contiguous()

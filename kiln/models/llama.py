@@ -10,11 +10,14 @@ from torch import nn
 from kiln.config import PretrainedConfig
 from kiln.models import rope
 from kiln.models.linear import make_linear, tensor_specs
+from kiln.models.parallel import TensorParallel
 from kiln.plugins import cpu, gemm, ops
 
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "ctx_token_index", "ctx_block_tables",
                "ctx_context_lens", "gen_token_index", "gen_block_tables", "gen_context_lens",
                "logits_index", "kv_cache")
+# Pipeline stages after the first also take the previous stage's output, [T, hidden_size].
+HIDDEN_STATES = "hidden_states"
 
 
 class _Ops:
@@ -67,13 +70,18 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, weights: dict, pp_rank: int = 0,
-                 plugin_config: dict | None = None):
+    """Rank `rank` of the checkpoint's mapping: its pipeline stage's layers, its tensor-parallel
+    share of each (kiln/models/parallel.py). The first stage embeds input_ids, later ones continue
+    from hidden_states; the last stage returns logits, earlier ones the hidden states for the next."""
+
+    def __init__(self, config: PretrainedConfig, weights: dict, rank: int = 0, plugin_config: dict | None = None):
         super().__init__()
         self.config = config
         self.ops = _Ops(plugin_config or {})
+        self.tp = TensorParallel(config, rank)
         # gemm_plugin "cpp": every GEMM on the C++ plugin, weights packed in its panel layout.
         self.packed = (plugin_config or {}).get("gemm_plugin") == "cpp"
+        pp_rank = config.mapping.pp_rank(rank)
         self.layer_ids = list(config.layers_of(pp_rank))
         self.is_first = pp_rank == 0
         self.is_last = pp_rank == config.mapping.pp_size - 1
@@ -82,14 +90,24 @@ class LlamaForCausalLM(nn.Module):
         self.head_size = config.head_size
         self.eps = config.norm_epsilon
         self.scale = config.head_size ** -0.5
-        if config.mapping.tp_size != 1 or config.mapping.pp_size != 1:
-            raise NotImplementedError("multi-rank engines are not supported yet; build with tp_size=pp_size=1")
-        self.vocab_embedding = nn.Parameter(weights["transformer.vocab_embedding.weight"], requires_grad=False)
+        self.vocab_embedding = self.lm_head = self.ln_f = None
+        if self.is_first:
+            self.vocab_embedding = nn.Parameter(weights["transformer.vocab_embedding.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
             LlamaLayer(config, weights, f"transformer.layers.{i}.", self.packed) for i in self.layer_ids)
+        if self.is_last:
+            self._init_head(weights)
+        self.register_buffer("inv_freq", rope.inv_freq(config), persistent=False)
+        # Static per-layer scales of an 8-bit KV cache: the pool holds round/cast(x / scale).
+        self.register_buffer("kv_scales", torch.cat([
+            weights[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"].float().reshape(1)
+            for i in self.layer_ids]) if config.quantization.kv_cache_quant_algo else None)
+
+    def _init_head(self, weights: dict) -> None:
         self.ln_f = nn.Parameter(weights["transformer.ln_f.weight"], requires_grad=False)
         lm_head = weights["lm_head.weight"]
-        tied = config.tie_word_embeddings and torch.equal(lm_head, self.vocab_embedding)
+        tied = (self.config.tie_word_embeddings and self.vocab_embedding is not None
+                and torch.equal(lm_head, self.vocab_embedding))
         self.vocab_rows = lm_head.shape[0]
         if self.packed:
             self.lm_head = nn.Parameter(gemm.pack(lm_head), requires_grad=False)
@@ -99,15 +117,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.vocab_embedding  # one copy of the table in the engine, not two
         else:
             self.lm_head = nn.Parameter(lm_head, requires_grad=False)
-        self.register_buffer("inv_freq", rope.inv_freq(config), persistent=False)
-        # Static per-layer scales of an 8-bit KV cache: the pool holds round/cast(x / scale).
-        self.register_buffer("kv_scales", torch.cat([
-            weights[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"].float().reshape(1)
-            for i in self.layer_ids]) if config.quantization.kv_cache_quant_algo else None)
+
+    def _embed(self, input_ids):
+        if self.vocab_embedding is None:  # tied to the packed lm_head
+            return self.tp.embedding(lambda ids: gemm.embedding(self.lm_head, ids, self.vocab_rows), input_ids)
+        return self.tp.embedding(lambda ids: F.embedding(ids, self.vocab_embedding), input_ids)
 
     def forward(self, input_ids, positions, slot_mapping, ctx_token_index, ctx_block_tables,
                 ctx_context_lens, gen_token_index, gen_block_tables, gen_context_lens, logits_index,
-                kv_cache):
+                kv_cache, hidden_states=None):
         o, T = self.ops, input_ids.shape[0]
         H, KH, D = self.num_heads, self.num_kv_heads, self.head_size
         rope_lens = None
@@ -115,10 +133,7 @@ class LlamaForCausalLM(nn.Module):
             rope_lens = _rope_lens(positions, ctx_token_index, ctx_context_lens)
         cos, sin = rope.cos_sin(self.config, self.inv_freq, positions, rope_lens)
 
-        if self.vocab_embedding is None:
-            hidden = gemm.embedding(self.lm_head, input_ids, self.vocab_rows)
-        else:
-            hidden = F.embedding(input_ids, self.vocab_embedding)
+        hidden = self._embed(input_ids) if self.is_first else hidden_states
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
@@ -137,16 +152,20 @@ class LlamaForCausalLM(nn.Module):
             attn = o.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
                                        gen_token_index, gen_block_tables, gen_context_lens, self.scale,
                                        *(() if kv_scale is None else (kv_scale,)))
-            hidden = layer.dense(attn.reshape(T, H * D))
+            hidden = self.tp.all_reduce(layer.dense(attn.reshape(T, H * D)))
             x, residual = o.fused_add_rms_norm(hidden, residual, layer.post_layernorm, self.eps)
-            hidden = layer.proj(o.silu_and_mul(layer.gate_up(x)))
+            hidden = self.tp.all_reduce(layer.proj(o.silu_and_mul(layer.gate_up(x))))
 
+        if not self.is_last:  # the next stage starts from the residual stream, as a layer would
+            return hidden + residual
         # Only the selected tokens go through the final norm and the vocab GEMM.
         hidden = (hidden + residual)[logits_index]
         hidden = o.rms_norm(hidden, self.ln_f, self.eps)
         if self.packed:
-            return gemm.gemm(hidden, self.lm_head, None, None, self.vocab_rows, 0, True)[:, : self.config.vocab_size]
-        return F.linear(hidden, self.lm_head).float()[:, : self.config.vocab_size]
+            logits = gemm.gemm(hidden, self.lm_head, None, None, self.vocab_rows, 0, True)
+        else:
+            logits = F.linear(hidden, self.lm_head).float()
+        return self.tp.gather_logits(logits)[:, : self.config.vocab_size]
 
 
 def _rope_lens(positions, ctx_token_index, ctx_context_lens):

@@ -36,7 +36,7 @@ CSRC = Path(__file__).parent / "csrc"
 # code shared with the AVX2/AVX-512 files comes from a file built without those target options.
 SOURCES = ("paged_attention.cpp", "gemm.cpp", "kernels_default.cpp", "kernels_avx2.cpp",
            "paged_attention_avx512.cpp", "sampler.cpp", "sampler_default.cpp", "sampler_avx2.cpp",
-           "sampler_avx512.cpp")
+           "sampler_avx512.cpp", "all_reduce.cpp")
 HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_x86.h", "gemm.h", "gemm_kernel.h",
            "sampler.h", "sampler_kernel.h")
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with

@@ -6,7 +6,8 @@ starts `run_engine_core`, which steps whenever it has work, sends each step's ou
 takes the next step while the frontend detokenizes and streams the last one (vLLM v1's engine core
 process). Its pipe carries requests and aborts one way, outputs (with the scheduler's stats) the
 other. A core process that dies closes its end of the pipe: the frontend's next read raises
-`EngineDeadError`, and so does every call after it.
+`EngineDeadError`, and so does every call after it. A core whose executor lost a rank sends the
+EngineDeadError saying which, and stops.
 """
 import os
 import pickle
@@ -14,17 +15,13 @@ import socket
 import subprocess
 import sys
 import threading
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from kiln.runtime.engine_core import EngineCore, EngineCoreOutputs, EngineCoreRequest
+from kiln.runtime.executor import EngineDeadError
 
 MODES = ("inproc", "thread", "process")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped (its process died or was killed): every pending and later request
-    fails with this error. vLLM's name; the frontend has to be restarted."""
 
 
 class Pipe(Connection):
@@ -43,18 +40,27 @@ class InprocClient:
     def __init__(self, engine_dir, **core_args):
         self.core = EngineCore(engine_dir, **core_args)
         self.info = self.core.info
+        self._dead: EngineDeadError | None = None
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self._dead is not None:
+            raise self._dead
         self.core.add_request(request)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         self.core.abort(request_id, index)
 
     def get_outputs(self) -> EngineCoreOutputs:
-        return self.core.step()
+        if self._dead is not None:
+            raise self._dead
+        try:
+            return self.core.step()
+        except EngineDeadError as e:  # a rank died: the engine is gone for good
+            self._dead = e
+            raise
 
     def shutdown(self) -> None:
-        pass
+        self.core.shutdown()
 
 
 class BackgroundClient:
@@ -129,9 +135,13 @@ class BackgroundClient:
         if self._dead is not None:
             raise self._dead
         try:
-            return self.conn.recv()
+            outputs = self.conn.recv()
         except (EOFError, OSError):
             raise self._died() from None
+        if isinstance(outputs, EngineDeadError):
+            self._dead = outputs
+            raise outputs
+        return outputs
 
     def _died(self) -> EngineDeadError:
         if self._dead is None:
@@ -167,15 +177,25 @@ def run_engine_core(conn: Connection) -> None:
     try:
         while True:
             if not core.has_unfinished_requests():
-                if not _handle(core, conn.recv()):  # idle: wait for work
+                # Idle: wait for work, or for a rank of the engine to die.
+                if conn not in wait([conn, *core.executor.sentinels]):
+                    core.executor.check()
+                    continue
+                if not _handle(core, conn.recv()):
                     return
             while conn.poll():
                 if not _handle(core, conn.recv()):
                     return
             conn.send(_step(core) if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats()))
+    except EngineDeadError as e:
+        try:
+            conn.send(e)
+        except (EOFError, OSError):
+            pass
     except (EOFError, OSError):  # the frontend is gone: so is the core
         return
     finally:
+        core.shutdown()
         conn.close()
 
 
@@ -193,6 +213,8 @@ def _handle(core: EngineCore, message) -> bool:
 def _step(core: EngineCore) -> EngineCoreOutputs:
     try:
         return core.step()
+    except EngineDeadError:
+        raise
     except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
         ids = list(core.requests)
         for rid in ids:

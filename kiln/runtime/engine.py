@@ -1,4 +1,4 @@
-"""Loads an engine dir and runs engine steps against one KV cache pool."""
+"""Loads one rank engine of an engine dir and runs engine steps against its KV cache pool."""
 from pathlib import Path
 
 import psutil
@@ -7,19 +7,27 @@ import torch
 from kiln.build import backends
 from kiln.build.export import kv_cache_dtype
 from kiln.config import ConfigError, EngineConfig
-from kiln.models.llama import STEP_INPUTS
+from kiln.models.llama import HIDDEN_STATES, STEP_INPUTS
 from kiln.runtime import extraction
 
 
 class Engine:
+    """rank: which rank engine (rank{N}.engine) to load. ranks_per_machine: ranks whose KV pools
+    share this machine's memory. allocate=False leaves the pool to allocate(), once the ranks have
+    agreed on one size (each holds its own shard of the same blocks)."""
+
     def __init__(self, engine_dir, kv_cache_free_mem_fraction: float | None = None,
-                 max_tokens_in_paged_kv_cache: int | None = None):
+                 max_tokens_in_paged_kv_cache: int | None = None, *, rank: int = 0,
+                 ranks_per_machine: int = 1, allocate: bool = True):
         self.engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(self.engine_dir)
         pretrained, build = self.config.pretrained_config, self.config.build_config
-        if pretrained.mapping.world_size != 1:
-            raise ConfigError(f"{engine_dir}: multi-rank engines are not supported yet")
-        path = self.engine_dir / "rank0.engine"
+        if not 0 <= rank < pretrained.mapping.world_size:
+            raise ConfigError(f"{engine_dir}: rank {rank} is outside the engine's world_size "
+                              f"{pretrained.mapping.world_size}")
+        self.rank = rank
+        self.num_layers = len(pretrained.layers_of(pretrained.mapping.pp_rank(rank)))
+        path = self.engine_dir / f"rank{rank}.engine"
         if not path.is_file():
             raise ConfigError(f"{path} not found: the engine dir is incomplete; rebuild it with `engine-build`")
         try:
@@ -31,19 +39,25 @@ class Engine:
             reason = (str(e).strip().splitlines() or [""])[0]
             raise ConfigError(f"{path} is not a loadable {build.backend} engine ({type(e).__name__}: "
                               f"{reason}); rebuild it with `engine-build`") from None
-        self.num_blocks = self._num_blocks(kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
-        self.kv_cache = torch.zeros(
-            len(pretrained.layers_of(0)), 2, self.num_blocks, build.tokens_per_block,
-            pretrained.kv_heads_per_rank, pretrained.head_size, dtype=kv_cache_dtype(pretrained, build))
+        self.num_blocks = self._num_blocks(kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache,
+                                           ranks_per_machine)
+        self.kv_cache = None
+        if allocate:
+            self.allocate(self.num_blocks)
+
+    def allocate(self, num_blocks: int) -> None:
+        p, b = self.config.pretrained_config, self.config.build_config
+        self.num_blocks = num_blocks
+        self.kv_cache = torch.zeros(self.num_layers, 2, num_blocks, b.tokens_per_block, p.kv_heads_per_rank,
+                                    p.head_size, dtype=kv_cache_dtype(p, b))
 
     @property
     def bytes_per_block(self) -> int:
         p, b = self.config.pretrained_config, self.config.build_config
         dtype = kv_cache_dtype(p, b)
-        return (len(p.layers_of(0)) * 2 * b.tokens_per_block * p.kv_heads_per_rank * p.head_size
-                * dtype.itemsize)
+        return self.num_layers * 2 * b.tokens_per_block * p.kv_heads_per_rank * p.head_size * dtype.itemsize
 
-    def _num_blocks(self, fraction, max_tokens) -> int:
+    def _num_blocks(self, fraction, max_tokens, ranks_per_machine: int = 1) -> int:
         b = self.config.build_config
         if fraction is not None and not 0 < fraction <= 1:
             raise ConfigError(f"kv_cache_free_mem_fraction must be in (0, 1], got {fraction}")
@@ -54,13 +68,15 @@ class Engine:
             return max(2, max_tokens // b.tokens_per_block)
         # Enough for every slot of the batch at full length, unless memory says less.
         enough = b.max_batch_size * b.max_blocks_per_seq + 1
-        budget = int(psutil.virtual_memory().available * (fraction or 0.5)) // self.bytes_per_block
+        budget = int(psutil.virtual_memory().available * (fraction or 0.5)) // (self.bytes_per_block * ranks_per_machine)
         if fraction is not None:
             return max(2, budget)
         return max(2, min(enough, budget))
 
-    def __call__(self, inputs: dict) -> torch.Tensor:
-        return self.model(**{name: inputs[name] for name in STEP_INPUTS[:-1]}, kv_cache=self.kv_cache)
+    def __call__(self, inputs: dict, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits; or, on a pipeline stage before the last, the hidden states for the next one."""
+        extra = {} if hidden_states is None else {HIDDEN_STATES: hidden_states}
+        return self.model(**{name: inputs[name] for name in STEP_INPUTS[:-1]}, kv_cache=self.kv_cache, **extra)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kiln.runtime.executor import UniprocExecutor
+from kiln.runtime.executor import make_executor
 from kiln.runtime.kv_cache_manager import KVCacheManager
 from kiln.runtime.model_runner import plan_step
 from kiln.runtime.sampler import SampleRow, Sampler, compute_prompt_logprobs, make_generator
@@ -121,7 +121,7 @@ class EngineCore:
                  enable_prefix_caching: bool = True, prefix_cache_seed: int | None = None,
                  speculative_config: dict | None = None):
         threads = configure_threads(threads)
-        self.executor = UniprocExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
+        self.executor = make_executor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache, threads)
         build = self.executor.config.build_config
         self.build_config = build
         max_batch_size = _bounded("max_batch_size", max_batch_size, build.max_batch_size)
@@ -176,6 +176,9 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def stats(self) -> SchedulerStats:
         running = {s.request.request_id for s in self.scheduler.running}

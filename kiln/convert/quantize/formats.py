@@ -60,6 +60,14 @@ def linear_shapes(cfg: PretrainedConfig) -> dict[str, tuple[int, int]]:
             "mlp.fc": (inter, h), "mlp.gate": (inter, h), "mlp.proj": (h, inter)}
 
 
+def rank_inputs(cfg: PretrainedConfig) -> dict[str, int]:
+    """The input size of every quantized linear as one tensor-parallel rank holds it: row-parallel
+    linears (dense, proj) split their inputs across the ranks."""
+    tp = cfg.mapping.tp_size
+    return {name: inp // tp if name in ("attention.dense", "mlp.proj") else inp
+            for name, (_, inp) in linear_shapes(cfg).items()}
+
+
 def writes_pre_quant_scale(qformat: str, awq_algorithm: str = DEFAULT_AWQ_ALGORITHM) -> bool:
     """Whether the format's linears carry prequant_scaling_factor (awq_clip's int4_awq does not)."""
     return FORMATS[qformat].pre_quant_scale and not (qformat == "int4_awq" and awq_algorithm == "clip")
@@ -84,7 +92,7 @@ def default_group_size(cfg: PretrainedConfig) -> int:
     """The largest int4 group size the engine supports that divides every quantized linear's input size."""
     from kiln.models.linear import INT4_GROUP_SIZES
 
-    inputs = sorted({inp for _, inp in linear_shapes(cfg).values()})
+    inputs = sorted(set(rank_inputs(cfg).values()))
     fits = [g for g in INT4_GROUP_SIZES if all(i % g == 0 for i in inputs)]
     if not fits:
         raise ConfigError(f"no supported group size ({', '.join(map(str, INT4_GROUP_SIZES))}) divides every "
@@ -104,11 +112,6 @@ def check_options(cfg: PretrainedConfig, qformat: str | None, kv_cache_dtype: st
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_ALGOS:
         raise ConfigError(f"--kv_cache_dtype {kv_cache_dtype!r} is not supported; expected one of "
                           f"{', '.join(KV_CACHE_DTYPES)}")
-    if cfg.mapping.tp_size > 1:
-        # Quantized tensors split differently from plain ones (packed int4 rows, per-group scales,
-        # one pre-quant scale shared by the fused qkv); until that is written, refuse rather than guess.
-        raise ConfigError(f"--tp_size {cfg.mapping.tp_size} with quantization is not supported; "
-                          f"quantize with --tp_size 1 (--pp_size may be > 1)")
     if qformat is None or not FORMATS[qformat].group_wise:
         return
     if group_size < 1:
@@ -121,4 +124,18 @@ def check_options(cfg: PretrainedConfig, qformat: str | None, kv_cache_dtype: st
                 f"{', '.join(map(str, sorted({s[1] for s in linear_shapes(cfg).values()})))}")
         if out % 2:
             raise ConfigError(f"{name} has an odd output dimension {out}; int4 weights are packed "
+                              f"two output rows per byte")
+    tp = cfg.mapping.tp_size
+    if tp == 1:
+        return
+    from kiln.convert.shard import output_ranges
+
+    for name, inp in rank_inputs(cfg).items():
+        if inp % group_size:
+            raise ConfigError(f"--group_size {group_size} does not divide the input dimension {inp} that each of "
+                              f"--tp_size {tp} ranks holds of {name}; choose a group size that divides "
+                              f"{', '.join(map(str, sorted(set(rank_inputs(cfg).values()))))}")
+    for name in ("attention.qkv", "mlp.fc"):
+        if any(b % 2 for r in range(tp) for rng in output_ranges(cfg, name, r) for b in rng):
+            raise ConfigError(f"--tp_size {tp} splits {name} at an odd output row; int4 weights are packed "
                               f"two output rows per byte")

@@ -145,8 +145,11 @@ def quantize(cfg: PretrainedConfig, opts: QuantOptions, texts: Prepared, weights
     return tensors, report
 
 
-def stage_tensors(cfg: PretrainedConfig, tensors: dict[str, torch.Tensor], pp_rank: int) -> dict:
-    """The tensors pipeline stage `pp_rank` holds (tp is 1 for quantized checkpoints)."""
+def rank_tensors(cfg: PretrainedConfig, tensors: dict[str, torch.Tensor], rank: int) -> dict:
+    """The tensors rank `rank` holds: its pipeline stage's, split for its tensor-parallel rank."""
+    from kiln.convert.shard import shard_tensor
+
+    pp_rank, tp_rank = cfg.mapping.pp_rank(rank), cfg.mapping.tp_rank(rank)
     layers = cfg.layers_of(pp_rank)
     last = pp_rank == cfg.mapping.pp_size - 1
 
@@ -157,4 +160,4 @@ def stage_tensors(cfg: PretrainedConfig, tensors: dict[str, torch.Tensor], pp_ra
             return pp_rank == 0
         return last  # ln_f, lm_head
 
-    return {name: t for name, t in tensors.items() if held(name)}
+    return {name: shard_tensor(cfg, name, t, tp_rank) for name, t in tensors.items() if held(name)}

@@ -1,0 +1,134 @@
+"""Building each rank engine of a checkpoint's mapping, in this process or in parallel processes.
+
+A rank's build reads only its own checkpoint file (rank{N}.safetensors), so a build process holds
+one rank's weights, never the whole model. With workers > 1 each rank is built in a fresh process
+of its own (`python -m kiln.build.ranks`), at most `workers` at once, and reports its own build time
+and peak RSS.
+"""
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.config import BuildConfig, ConfigError, PretrainedConfig
+
+
+@dataclass
+class RankBuild:
+    rank: int
+    seconds: float
+    peak_rss_mb: float  # of the process that built it (with workers == 1: every rank built so far)
+
+
+def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildConfig, rank: int,
+               path: Path, show_progress: bool = True) -> RankBuild:
+    from kiln.build import backends
+    from kiln.build.builder import load_rank_weights
+    from kiln.build.export import export
+    from kiln.models.llama import LlamaForCausalLM
+    from kiln.utils import progress
+
+    start = time.time()
+    with progress(total=3, desc=f"rank {rank}", disable=not show_progress) as bar:
+        weights = load_rank_weights(checkpoint_dir, pretrained, rank)
+        model = LlamaForCausalLM(pretrained, weights, rank, build.plugin_config).eval()
+        bar.update(1)
+        program = export(model, pretrained, build, rank)
+        del model, weights
+        bar.update(1)
+        backends.COMPILERS[build.backend](program, path, build.max_autotune)
+        bar.update(1)
+    return RankBuild(rank, time.time() - start, own_peak_rss_mb())
+
+
+def own_peak_rss_mb() -> float:
+    """This process's peak RSS. Not getrusage's: on Linux a child's ru_maxrss starts from its
+    parent's RSS at fork, exec or not; VmHWM belongs to the process's own address space."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build_ranks(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildConfig, out: Path,
+                workers: int, on_rank=lambda r: None) -> list[RankBuild]:
+    """rank{N}.engine for every rank into `out`; on_rank(RankBuild) as each one finishes."""
+    world = pretrained.mapping.world_size
+    if workers < 1:
+        raise ConfigError(f"workers must be >= 1, got {workers}")
+    if workers == 1 or world == 1:
+        done = []
+        for rank in range(world):
+            done.append(build_rank(checkpoint_dir, pretrained, build, rank, out / f"rank{rank}.engine"))
+            on_rank(done[-1])
+        return done
+    return _in_processes(checkpoint_dir, build, out, world, min(workers, world), on_rank)
+
+
+def _in_processes(checkpoint_dir: Path, build: BuildConfig, out: Path, world: int, workers: int,
+                  on_rank) -> list[RankBuild]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).parents[2])] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    if "OMP_NUM_THREADS" not in env:  # the builds share the cores
+        from kiln.runtime.threads import available_cpus
+
+        env["OMP_NUM_THREADS"] = str(max(1, available_cpus() // workers))
+    pending, running, done = list(range(world)), {}, []
+    with tempfile.TemporaryDirectory(dir=out) as results:
+        try:
+            while pending or running:
+                while pending and len(running) < workers:
+                    rank = pending.pop(0)
+                    result = Path(results) / f"rank{rank}.json"
+                    spec = dict(checkpoint_dir=str(checkpoint_dir), build=build.to_dict(), rank=rank,
+                                path=str(out / f"rank{rank}.engine"), result=str(result))
+                    running[rank] = (subprocess.Popen([sys.executable, "-m", "kiln.build.ranks", json.dumps(spec)],
+                                                      env=env, stdout=subprocess.DEVNULL), result)
+                time.sleep(0.1)
+                for rank, (proc, result) in list(running.items()):
+                    if proc.poll() is None:
+                        continue
+                    del running[rank]
+                    report = json.loads(result.read_text()) if result.is_file() else {}
+                    if proc.returncode != 0 or "error" in report:
+                        raise ConfigError(f"rank {rank}: " + report.get(
+                            "error", f"the build process exited with code {proc.returncode}"))
+                    done.append(RankBuild(**report))
+                    on_rank(done[-1])
+        finally:
+            for proc, _ in running.values():
+                proc.kill()
+                proc.wait()
+    return sorted(done, key=lambda r: r.rank)
+
+
+def _main(spec: dict) -> int:
+    from dataclasses import asdict
+
+    result = Path(spec["result"])
+    try:
+        checkpoint_dir = Path(spec["checkpoint_dir"])
+        report = asdict(build_rank(checkpoint_dir, PretrainedConfig.load(checkpoint_dir),
+                                   BuildConfig.from_dict(spec["build"]), spec["rank"], Path(spec["path"]),
+                                   show_progress=False))
+    except ConfigError as e:
+        report = {"error": str(e)}
+    except Exception as e:  # noqa: BLE001 - the parent reports it as this rank's failure
+        import traceback
+
+        traceback.print_exc()
+        report = {"error": f"{type(e).__name__}: {e}"}
+    result.write_text(json.dumps(report))
+    return 1 if "error" in report else 0
+
+
+if __name__ == "__main__":  # one rank's build: python -m kiln.build.ranks SPEC_JSON
+    sys.exit(_main(json.loads(sys.argv[1])))

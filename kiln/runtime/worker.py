@@ -1,0 +1,127 @@
+"""One rank of a multi-rank engine: its rank engine and KV pool shard, and its part of each step.
+
+A stage after the first receives its hidden states from the stage before (the rank with the same
+tp rank), a stage before the last sends them on; the last stage's ranks compute the logits (the
+tensor-parallel ranks gather them inside the engine) and its tp rank 0 returns them. Every rank gets
+the same step inputs, block tables included: its KV pool holds its own heads and layers of the same
+blocks.
+
+`python -m kiln.runtime.worker` is a rank's process under the multiprocess executor
+(kiln/runtime/multiproc_executor.py): it reads each message the executor broadcasts through the
+shared-memory ring, one per byte on its wake pipe, and answers on its reply pipe.
+"""
+import json
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+import torch
+
+from kiln.config import EngineConfig, torch_dtype
+from kiln.runtime.distributed import RankGroups
+from kiln.runtime.engine import Engine
+
+
+class RankWorker:
+    """Joins the ranks' groups (store: a TCPStore; None: torchrun's environment); load() then loads
+    the rank engine, its KV pool left to allocate() once the ranks agree on its size."""
+
+    def __init__(self, engine_dir, rank: int, store=None):
+        config = EngineConfig.load(engine_dir)
+        self.engine_dir, self.pretrained = engine_dir, config.pretrained_config
+        m = self.pretrained.mapping
+        self.rank, self.tp_size = rank, m.tp_size
+        self.pp_rank = m.pp_rank(rank)
+        self.is_last = self.pp_rank == m.pp_size - 1
+        self.returns_logits = self.is_last and m.tp_rank(rank) == 0
+        self.groups = RankGroups(self.pretrained, config.build_config, rank, store)
+        self.engine: Engine | None = None
+
+    def load(self, kv_cache_free_mem_fraction=None, max_tokens_in_paged_kv_cache=None, ranks_per_machine: int = 1):
+        """This rank's engine; returns the KV blocks it could hold."""
+        self.engine = Engine(self.engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache,
+                             rank=self.rank, ranks_per_machine=ranks_per_machine, allocate=False)
+        return self.engine.num_blocks
+
+    def execute(self, inputs: dict) -> torch.Tensor | None:
+        """Logits on the rank that returns them, else None."""
+        copies = inputs.pop("copy_blocks", None)
+        if copies is not None:
+            self.engine.copy_blocks(copies.tolist())
+        hidden = None
+        if self.pp_rank > 0:
+            shape = (inputs["input_ids"].shape[0], self.pretrained.hidden_size)
+            hidden = self.groups.recv(shape, torch_dtype(self.pretrained.dtype), self.rank - self.tp_size)
+        out = self.engine(inputs, hidden)
+        if not self.is_last:
+            self.groups.send(out, self.rank + self.tp_size)
+            return None
+        return out if self.returns_logits else None
+
+    def close(self) -> None:
+        self.groups.close()
+
+
+def warmup_inputs() -> dict:
+    """One decode token at position 0 of block 0: every rank runs every collective and send of a step
+    once while loading, so that a rank that cannot fails the start. Block 0's slot is written
+    before any sequence reads it."""
+    i64, i32 = dict(dtype=torch.int64), dict(dtype=torch.int32)
+    return dict(input_ids=torch.zeros(1, **i64), positions=torch.zeros(1, **i64), slot_mapping=torch.zeros(1, **i64),
+                ctx_token_index=torch.zeros(0, 1, **i64), ctx_block_tables=torch.zeros(0, 1, **i32),
+                ctx_context_lens=torch.zeros(0, **i32), gen_token_index=torch.zeros(1, **i64),
+                gen_block_tables=torch.zeros(1, 1, **i32), gen_context_lens=torch.ones(1, **i32),
+                logits_index=torch.zeros(1, **i64))
+
+
+def error_report(rank: int, e: BaseException) -> tuple[str, str]:
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return type(e).__name__, f"rank {rank} (pid {os.getpid()}): {reason or type(e).__name__}"
+
+
+def main(spec: dict, wake_fd: int, reply: Connection) -> int:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from kiln.runtime.shm_ring import ShmRing, encode
+    from kiln.runtime.threads import configure_threads
+
+    rank = spec["rank"]
+    try:
+        configure_threads(spec["threads"])
+        steps = ShmRing.attach(spec["steps"], *spec["steps_size"])
+        store = dist.TCPStore("127.0.0.1", spec["port"], is_master=False, timeout=timedelta(seconds=60))
+        worker = RankWorker(spec["engine_dir"], rank, store)
+        blocks = worker.load(spec["kv_cache_free_mem_fraction"], spec["max_tokens_in_paged_kv_cache"],
+                             spec["world_size"])
+        results = ShmRing.attach(spec["results"], *spec["results_size"]) if worker.returns_logits else None
+        reply.send(("loaded", blocks))
+    except Exception as e:  # noqa: BLE001 - the executor fails the start with this rank's message
+        reply.send(("failed", *error_report(rank, e)))
+        return 1
+    n = 0
+    try:
+        while os.read(wake_fd, 1):  # b"": the executor's process is gone
+            kind, tensors = steps.read(n)
+            n += 1
+            if kind == "stop":
+                break
+            if kind == "allocate":
+                worker.engine.allocate(int(tensors["num_blocks"]))
+                continue
+            logits = worker.execute(tensors)
+            if results is not None:
+                fits = results.write(0, "logits", {"logits": logits})
+                reply.send(("result", None if fits else encode("logits", {"logits": logits})))
+    except Exception as e:  # noqa: BLE001 - a rank that fails a step takes the engine down
+        reply.send(("error", *error_report(rank, e)))
+        return 1
+    worker.close()
+    return 0
+
+
+if __name__ == "__main__":  # python -m kiln.runtime.worker SPEC_JSON WAKE_FD REPLY_FD
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the process group; the executor decides
+    sys.exit(main(json.loads(sys.argv[1]), int(sys.argv[2]), Connection(int(sys.argv[3]))))

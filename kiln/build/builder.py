@@ -8,10 +8,11 @@ import torch
 from safetensors import safe_open
 
 from kiln.build import backends
+from kiln.plugins import tactics
 from kiln.build.export import export, kv_cache_dtype
 from kiln.convert.writer import copy_tokenizer_files
 from kiln.config import BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json, torch_dtype, write_json
-from kiln.models.linear import FP8, check_quantization
+from kiln.models.linear import FP8, PackedLinear, check_quantization
 from kiln.models.llama import LlamaForCausalLM, checkpoint_tensors
 from kiln.utils import peak_rss_mb, replace_dir, progress
 
@@ -89,6 +90,22 @@ def check_output_dir(checkpoint_dir: Path, output_dir: Path) -> None:
                                   f"with build_config); remove it or choose another output dir")
 
 
+def _time_tactics(model, pretrained: PretrainedConfig, build: BuildConfig, cache, log) -> None:
+    """Times the GEMM kernels (kiln.plugins.tactics), sets each layer's tactics and records the table."""
+    start = time.time()
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    with torch.no_grad():
+        table = tactics.select(layers, torch_dtype(pretrained.dtype), build.max_num_tokens, build.int8_activations,
+                               cache)
+    cache.save()
+    build.gemm_tactics = table
+    build.cpu_features = tactics.features_needed(tactics.kernels_of(table))
+    build.build_cpu = f"{tactics.cpu_model()} ({','.join(tactics.cpu_features())})"
+    log(f"GEMM tactics, {torch.get_num_threads()} threads, {build.build_cpu}:\n{tactics.format_table(table)}")
+    log(f"timed GEMM tactics in {time.time() - start:.1f}s ({cache.misses} measured, {cache.hits} from the timing "
+        f"cache); the engine's kernels need: {', '.join(build.cpu_features) or 'nothing beyond x86-64'}")
+
+
 def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, tokenizer_dir=None) -> Path:
     """tokenizer_dir: where the tokenizer files come from (default: the checkpoint dir; ModelOpt's
     exports carry none, so their users pass the HF model dir, as TensorRT-LLM's do)."""
@@ -128,15 +145,23 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
         # for a much longer build. With the GEMM plugin no GEMM is left for Inductor to tune.
         build.max_autotune = (build.backend == "aoti" and pretrained.dtype != "float32"
                               and build.plugin_config["gemm_plugin"] != "cpp")
+    if build.quantize_lm_head and build.plugin_config["gemm_plugin"] != "cpp":
+        raise ConfigError("--quantize_lm_head needs the C++ GEMM plugin (--gemm_plugin cpp, an aoti build's default "
+                          "for bf16/fp16 or quantized weights)")
+    timing = build.plugin_config["gemm_plugin"] == "cpp" and build.tactic_timing
+    cache = tactics.TimingCache(build.timing_cache) if timing else None
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:
         for rank in range(pretrained.mapping.world_size):
-            with progress(total=3, desc=f"rank {rank}") as bar:
+            with progress(total=4 if timing else 3, desc=f"rank {rank}") as bar:
                 weights = load_rank_weights(checkpoint_dir, pretrained, rank)
                 model = LlamaForCausalLM(pretrained, weights, pretrained.mapping.pp_rank(rank),
-                                         build.plugin_config).eval()
+                                         build.plugin_config, build.quantize_lm_head).eval()
                 bar.update(1)
+                if timing:
+                    _time_tactics(model, pretrained, build, cache, log)
+                    bar.update(1)
                 program = export(model, pretrained, build)
                 del model, weights
                 bar.update(1)

@@ -9,7 +9,7 @@ from torch import nn
 
 from kiln.config import PretrainedConfig
 from kiln.models import rope
-from kiln.models.linear import make_linear, tensor_specs
+from kiln.models.linear import make_linear, packed_lm_head, tensor_specs
 from kiln.plugins import cpu, gemm, ops
 
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "ctx_token_index", "ctx_block_tables",
@@ -68,7 +68,7 @@ class LlamaLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, weights: dict, pp_rank: int = 0,
-                 plugin_config: dict | None = None):
+                 plugin_config: dict | None = None, quantize_lm_head: bool = False):
         super().__init__()
         self.config = config
         self.ops = _Ops(plugin_config or {})
@@ -92,8 +92,8 @@ class LlamaForCausalLM(nn.Module):
         tied = config.tie_word_embeddings and torch.equal(lm_head, self.vocab_embedding)
         self.vocab_rows = lm_head.shape[0]
         if self.packed:
-            self.lm_head = nn.Parameter(gemm.pack(lm_head), requires_grad=False)
-            if tied:  # embedding rows are read out of the packed table: one copy in the engine, not two
+            self.lm_head = packed_lm_head(config, lm_head, quantize_lm_head)
+            if tied and not quantize_lm_head:  # embedding rows are read out of the packed table: one copy, not two
                 self.vocab_embedding = None
         elif tied:
             self.lm_head = self.vocab_embedding  # one copy of the table in the engine, not two
@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope.cos_sin(self.config, self.inv_freq, positions, rope_lens)
 
         if self.vocab_embedding is None:
-            hidden = gemm.embedding(self.lm_head, input_ids, self.vocab_rows)
+            hidden = gemm.embedding(self.lm_head.weight, input_ids, self.vocab_rows, self.config.hidden_size)
         else:
             hidden = F.embedding(input_ids, self.vocab_embedding)
         residual = None
@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = (hidden + residual)[logits_index]
         hidden = o.rms_norm(hidden, self.ln_f, self.eps)
         if self.packed:
-            return gemm.gemm(hidden, self.lm_head, None, None, self.vocab_rows, 0, True)[:, : self.config.vocab_size]
+            return self.lm_head(hidden)[:, : self.config.vocab_size]
         return F.linear(hidden, self.lm_head).float()[:, : self.config.vocab_size]
 
 

@@ -1,17 +1,21 @@
-"""Offline generation throughput: Kiln against HF transformers `generate` on the same weights, same run.
+"""Offline generation throughput: Kiln against HF transformers `generate` (and llama.cpp) on the same weights, same run.
 
 By default it makes a random-weight model of SmolLM-135M's shape (hidden 576, 30 layers, 9 heads,
 3 KV heads, intermediate 1536, vocab 49152, tied embeddings), converts and builds it, then measures
   - decode tokens/s at each --batch size (prompts of --input_len tokens, --output_len new tokens),
   - prefill tokens/s of one --prefill_len prompt,
 for Kiln and for HF, and prints the ratios. Prompts are random token ids of equal length, so HF's
-batched generate needs no padding.
+batched generate needs no padding. --formats adds Kiln's weight-only int8/int4 engines (RTN,
+--group_size); --llama_cpp measures llama.cpp at bf16, q8_0 and q4_0 on the same weights
+(benchmarks/llama_cpp_bench.py says how to install it). It prints the CPU and its ISA flags first.
 
   python benchmarks/throughput.py --batch 1 16 --output_len 128 --json out.json
+  python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --llama_cpp --int8_activations --batch 1 16
 """
 import argparse
 import json
 import os
+import platform
 import resource
 import sys
 import tempfile
@@ -24,6 +28,25 @@ SMOLLM_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, nu
                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                    tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5,
                    bos_token_id=0, eos_token_id=0)
+
+
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
+             "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")
+
+
+def cpu_banner() -> str:
+    """The CPU model and its ISA flags that matter to the kernels (from /proc/cpuinfo)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags = set(value.split())
+    except OSError:
+        pass
+    return f"CPU: {model}, {os.cpu_count()} cores; ISA: {' '.join(f for f in ISA_FLAGS if f in flags) or 'none of ' + '/'.join(ISA_FLAGS[:3])}"
 
 
 def make_model(out: Path, dtype: torch.dtype) -> Path:
@@ -145,6 +168,61 @@ def mixed_step(engine, vocab, prefill_len=512, num_decodes=15, input_len=128, re
     return median(mixed), median(prefill), median(decode)
 
 
+def llama_cpp_results(hf_dir, work, args, vocab):
+    import llama_cpp_bench as lcb
+
+    out = {}
+    longest = max(args.input_len + args.output_len, args.prefill_len) + 8
+    for kind, path in lcb.gguf_files(hf_dir, work / "llama_cpp").items():
+        model = lcb.LlamaCpp(path, torch.get_num_threads(), max(args.batch), longest)
+        decode = {b: max(model.decode(prompts(b, args.input_len, vocab), args.output_len - 1)
+                         for _ in range(args.repeats)) for b in args.batch}
+        pre = args.prefill_len / min(model.prefill(prompts(1, args.prefill_len, vocab, seed=1)[0]) for _ in range(3))
+        model.close()
+        out[kind] = {"decode": decode, "prefill": pre}
+        print(f"llama.cpp {kind}: {out[kind]}", file=sys.stderr)
+    return out
+
+
+def build_kiln(args, hf_dir, work, fmt) -> tuple[Path, float | None, float | None]:
+    from kiln.build.builder import build_engine
+    from kiln.config import BuildConfig
+    from kiln.convert.cli import convert_checkpoint
+    from kiln.convert.quantize.pipeline import QuantOptions
+
+    suffix = {None: "", True: "_autotune", False: "_noautotune"}[args.max_autotune]
+    if args.attention:
+        suffix += f"_{args.attention}"
+    if args.gemm:
+        suffix += f"_gemm{args.gemm}"
+    quantized = fmt != "bf16" and fmt != args.dtype
+    if quantized:
+        suffix += f"_{fmt}_g{args.group_size}"
+    suffix += ("_int8act" if args.int8_activations and quantized else "") + ("_qhead" if args.quantize_lm_head else "")
+    engine_dir = work / f"engine_{args.backend}_{args.dtype}{suffix}"
+    if not args.rebuild and (engine_dir / "config.json").exists():
+        return engine_dir, None, None
+    ckpt = work / (f"ckpt_{args.dtype}_{fmt}_g{args.group_size}" if quantized else f"ckpt_{args.dtype}")
+    if not (ckpt / "config.json").exists():
+        quant = QuantOptions(fmt, None, args.group_size, eval_size=0) if quantized else None  # RTN: no calibration
+        convert_checkpoint(hf_dir, ckpt, dtype=args.dtype, quant=quant)
+    longest = max(args.input_len, args.prefill_len, args.long_context)
+    max_batch = max(args.batch)
+    build = BuildConfig(max_batch_size=max(max_batch, 2), max_input_len=longest,
+                        max_seq_len=max(args.input_len + args.output_len, longest + 64),
+                        max_num_tokens=max(max_batch * args.input_len, longest),
+                        tokens_per_block=32, backend=args.backend, max_autotune=args.max_autotune,
+                        timing_cache=args.timing_cache, int8_activations=args.int8_activations,
+                        quantize_lm_head=args.quantize_lm_head)
+    if args.attention:
+        build.plugin_config["gpt_attention_plugin"] = args.attention
+    if args.gemm:
+        build.plugin_config["gemm_plugin"] = args.gemm
+    start = time.perf_counter()
+    build_engine(ckpt, engine_dir, build, log=lambda m: print(m, file=sys.stderr))
+    return engine_dir, time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf_dir", type=Path, help="HF model dir to use instead of the random SmolLM-135M shape")
@@ -172,50 +250,36 @@ def main():
                     help="time each decode this many times, Kiln and HF alike, and keep the fastest "
                          "(a shared machine's noise only ever slows a run down)")
     ap.add_argument("--skip_hf", action="store_true")
+    ap.add_argument("--formats", nargs="+", default=["bf16"], choices=["bf16", "int8_wo", "int4_wo"],
+                    help="Kiln engines to measure: the --dtype one and weight-only int8 / int4 (RTN) ones")
+    ap.add_argument("--group_size", type=int, default=32, help="int4 group size (32: llama.cpp's q4_0 block)")
+    ap.add_argument("--int8_activations", action="store_true",
+                    help="build int8/int4 engines with engine-build --int8_activations")
+    ap.add_argument("--quantize_lm_head", action="store_true", help="engine-build --quantize_lm_head")
+    ap.add_argument("--timing_cache", help="engine-build --timing_cache FILE")
+    ap.add_argument("--llama_cpp", action="store_true",
+                    help="also measure llama.cpp (llama-cpp-python built from source) at bf16, q8_0, q4_0")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
 
     import transformers
 
     from kiln import LLM
-    from kiln.build.builder import build_engine
-    from kiln.config import BuildConfig
-    from kiln.convert.cli import convert_checkpoint
 
+    print(cpu_banner())
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     hf_dir = args.hf_dir or make_model(work / "hf", dtype)
-    suffix = {None: "", True: "_autotune", False: "_noautotune"}[args.max_autotune]
-    if args.attention:
-        suffix += f"_{args.attention}"
-    if args.gemm:
-        suffix += f"_gemm{args.gemm}"
-    engine_dir = work / f"engine_{args.backend}_{args.dtype}{suffix}"
     max_batch = max(args.batch)
-    build_seconds = build_rss_mb = None
-    if args.rebuild or not (engine_dir / "config.json").exists():
-        ckpt = convert_checkpoint(hf_dir, work / f"ckpt_{args.dtype}", dtype=args.dtype)
-        longest = max(args.input_len, args.prefill_len, args.long_context)
-        build = BuildConfig(max_batch_size=max(max_batch, 2), max_input_len=longest,
-                            max_seq_len=max(args.input_len + args.output_len, longest + 64),
-                            max_num_tokens=max(max_batch * args.input_len, longest),
-                            tokens_per_block=32, backend=args.backend, max_autotune=args.max_autotune)
-        if args.attention:
-            build.plugin_config["gpt_attention_plugin"] = args.attention
-        if args.gemm:
-            build.plugin_config["gemm_plugin"] = args.gemm
-        start = time.perf_counter()
-        build_engine(ckpt, engine_dir, build, log=lambda m: print(m, file=sys.stderr))
-        build_seconds = time.perf_counter() - start
-        build_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
+    engines = {fmt: build_kiln(args, hf_dir, work, fmt) for fmt in args.formats}
+    engine_dir, build_seconds, build_rss_mb = engines[args.formats[0]]
     llm = LLM(engine_dir)
     vocab = llm.llm_engine.model_config.vocab_size
-    results = {"engine": str(engine_dir), "build_seconds": build_seconds, "threads": torch.get_num_threads(),
-               "decode": {}, "prefill": {}}
+    results = {"cpu": cpu_banner(), "engine": str(engine_dir), "build_seconds": build_seconds,
+               "threads": torch.get_num_threads(), "decode": {}, "prefill": {}}
     hf = None
     if not args.skip_hf:
         hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
@@ -243,6 +307,18 @@ def main():
         torch.set_num_threads(threads)
         moved = decode_bytes_per_token(llm.llm_engine.engine, args.input_len + args.output_len // 2)
         results["roofline"] = {"gb_s": roof, "batch1_gb_s": moved * results["decode"][min(args.batch)]["kiln"] / 1e9}
+
+    others = {}
+    for fmt in args.formats[1:]:
+        other = LLM(engines[fmt][0])
+        others[fmt] = {"decode": {b: max(time_kiln(other, b, args.input_len, args.output_len, vocab)
+                                         for _ in range(args.repeats)) for b in args.batch},
+                       "prefill": prefill_kiln(other, args.prefill_len, vocab), "build_seconds": engines[fmt][1]}
+        del other
+    results["formats"] = {args.formats[0]: {"decode": {b: r["kiln"] for b, r in results["decode"].items()},
+                                            "prefill": results["prefill"][args.prefill_len]["kiln"]}, **others}
+    if args.llama_cpp:
+        results["llama_cpp"] = llama_cpp_results(hf_dir, work, args, vocab)
 
     def row(label, r):
         ratio = f"{r['kiln'] / r['hf']:.2f}x" if r["hf"] else "-"
@@ -273,6 +349,17 @@ def main():
         size = sum(f.stat().st_size for f in engine_dir.iterdir()) / 2**20
         print(f"engine build: {build_seconds:.1f}s, peak RSS {build_rss_mb:.0f} MB, {size:.0f} MB "
               f"({args.backend}{', max-autotune' if autotune else ''})")
+    if len(results["formats"]) > 1 or "llama_cpp" in results:
+        print(f"\ntokens/s, {results['threads']} threads | " + " | ".join(f"decode b{b}" for b in args.batch)
+              + f" | prefill {args.prefill_len}")
+        rows = [(f"Kiln {fmt}" + (" (int8 activations)" if args.int8_activations and fmt != args.formats[0] else ""), r)
+                for fmt, r in results["formats"].items()]
+        rows += [(f"llama.cpp {kind}", r) for kind, r in results.get("llama_cpp", {}).items()]
+        if hf:
+            rows.append(("HF " + args.dtype, {"decode": {b: r["hf"] for b, r in results["decode"].items()},
+                                              "prefill": results["prefill"][args.prefill_len]["hf"]}))
+        for label, r in rows:
+            print(f"{label} | " + " | ".join(f"{r['decode'][b]:.1f}" for b in args.batch) + f" | {r['prefill']:.1f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -41,6 +41,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -145,6 +146,19 @@ Kernel fallback(Kernel wanted, int64_t M, WeightFormat f, at::ScalarType x) {
   return auto_kernel(M, f, x);
 }
 
+// KILN_GEMM_KERNEL=<name>: that kernel for every call whose operands it takes, whatever the tactics
+// say (benchmarks/quant.py measures the perplexity of int8 activations at every token count so).
+int forced_kernel() {
+  static const int forced = [] {
+    const char* name = std::getenv("KILN_GEMM_KERNEL");
+    for (int i = 0; name != nullptr && i < kNumKernels; ++i)
+      if (std::string(name) == kKernels[i].name) return i;
+    TORCH_CHECK(name == nullptr || *name == '\0', kOp, "KILN_GEMM_KERNEL=", name, " is not a kernel name");
+    return -1;
+  }();
+  return forced;
+}
+
 Kernel pick(const c10::IntArrayRef tactics, int64_t M, WeightFormat f, at::ScalarType x) {
   TORCH_CHECK(tactics.size() % 2 == 0, kOp, "tactics must be (m_max, kernel) pairs, got ", tactics.size(), " values");
   Kernel wanted = Kernel::Auto;
@@ -154,6 +168,7 @@ Kernel pick(const c10::IntArrayRef tactics, int64_t M, WeightFormat f, at::Scala
     wanted = static_cast<Kernel>(tactics[i + 1]);
     if (M <= tactics[i]) break;
   }
+  if (forced_kernel() >= 0 && formats_fit(kKernels[forced_kernel()], f, x)) wanted = static_cast<Kernel>(forced_kernel());
   if (wanted == Kernel::Auto) return auto_kernel(M, f, x);
   if (runs_here(wanted, f, x)) return wanted;
   const Kernel instead = fallback(wanted, M, f, x);

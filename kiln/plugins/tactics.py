@@ -25,7 +25,6 @@ import torch
 
 from kiln.plugins import cpp
 
-AUTO = 0
 PORTABLE, ATEN, PORTABLE_INT8 = 1, 5, 8
 # Token counts above this are timed at it: every kernel's cost per token is flat past it (they
 # tile rows), and a prefill-sized GEMM of each candidate would make builds long.

@@ -5,6 +5,12 @@ Needs llama-cpp-python built from source for this CPU, with the converter from t
   pip download llama-cpp-python==0.3.36 --no-binary :all: --no-deps -d bench_out/llama_cpp
   CMAKE_ARGS="-DGGML_NATIVE=ON" pip install bench_out/llama_cpp/llama_cpp_python-0.3.36.tar.gz
 
+On the AMX machine this was written on (a KVM guest of a Xeon with AMX), the native build's AMX-INT8
+path died with SIGILL at its first tileloadd for q8_0 / q4_0 models; the native ISA without AMX
+ran: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF".
+
 The HF model is converted with the sdist's own vendor/llama.cpp/convert_hf_to_gguf.py (bf16, q8_0)
 and quantized by llama.cpp's quantizer (llama_model_quantize: q4_0). Decode runs through the
 low-level batch API (one llama_decode per step for all sequences, greedy argmax of each row, as

@@ -13,7 +13,9 @@ accuracy columns come from the converter's report (quant_report.json).
 import argparse
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,35 @@ def datasets(model: str, work: Path, vocab: int) -> tuple[list[Path], list[Path]
     return files[0], files[1]
 
 
+INT8_ACT_KERNELS = ("avx512_vnni", "avx2_int8", "portable_int8")
+
+
+def engine_perplexity(engine_dir: Path, files: list[Path], chars: int, kernel: str | None = None) -> float:
+    """Perplexity through the engine (kiln.runtime.perplexity, windows of 256 tokens) of the first
+    `chars` characters of the evaluation files; kernel: every GEMM forced onto it (KILN_GEMM_KERNEL,
+    in a subprocess), so that int8 activations are scored at every token count, not only where the
+    tactics picked them."""
+    if kernel is not None:
+        code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import quant; "
+                "print(quant.engine_perplexity(Path(sys.argv[2]), [Path(f) for f in sys.argv[4:]], int(sys.argv[3])))")
+        out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(engine_dir), str(chars),
+                              *map(str, files)], env={**os.environ, "KILN_GEMM_KERNEL": kernel},
+                             capture_output=True, text=True, check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+    from kiln import LLM
+    from kiln.runtime.perplexity import perplexity
+
+    text = "".join(Path(f).read_text() for f in files)[:chars]
+    return perplexity(LLM(engine_dir), [text], 256).perplexity
+
+
+def int8_kernel_here() -> str:
+    from kiln.plugins import tactics
+
+    have = set(tactics.cpu_features())
+    return next(k for k, need in zip(INT8_ACT_KERNELS, ("avx512_vnni", "avx2", None)) if need is None or need in have)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="default, smollm, or an HF model dir")
@@ -64,8 +95,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=1,
                     help="time each engine this many times and keep the fastest (a shared machine's noise "
                          "only ever slows a run down)")
+    ap.add_argument("--int8_activations", action="store_true",
+                    help="build the int8/int4 engines with engine-build --int8_activations and report the "
+                         "engine perplexity with int8 activations at every token count beside the float one")
+    ap.add_argument("--ppl_chars", type=int, default=40000,
+                    help="characters of the evaluation text scored through each engine (0: skip)")
+    ap.add_argument("--timing_cache", help="engine-build --timing_cache FILE")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    print(load_module(Path(__file__).parent / "throughput.py", "throughput").cpu_banner())
 
     from kiln import LLM
     from kiln.build.builder import build_engine
@@ -107,7 +145,9 @@ def main():
                 convert_s = time.perf_counter() - start
             shutil.rmtree(engine_dir, ignore_errors=True)
             start = time.perf_counter()
-            build_engine(ckpt, engine_dir, BuildConfig(**build), log=lambda m: print(f"  {m}", file=sys.stderr))
+            int8 = args.int8_activations and qformat in ("int8_wo", "int4_wo", "int4_awq", "int4_gptq")
+            build_engine(ckpt, engine_dir, BuildConfig(**build, int8_activations=int8, timing_cache=args.timing_cache),
+                         log=lambda m: print(f"  {m}", file=sys.stderr))
             build_s = time.perf_counter() - start
         llm = LLM(engine_dir)
         engine = llm.llm_engine.core.executor.engine
@@ -122,19 +162,30 @@ def main():
             prefill=best(lambda: bench.prefill_kiln(llm, args.prefill_len, vocab)),
             ppl_increase_pct=report.get("perplexity_increase_pct"), top1=report.get("top1_agreement"),
         ))
+        if args.ppl_chars:
+            rows[-1]["engine_ppl"] = engine_perplexity(engine_dir, evaluation, args.ppl_chars)
+            if args.int8_activations and qformat in ("int8_wo", "int4_wo", "int4_awq", "int4_gptq"):
+                rows[-1]["engine_ppl_int8_act"] = engine_perplexity(engine_dir, evaluation, args.ppl_chars,
+                                                                    int8_kernel_here())
         print(f"{run}: {rows[-1]}", file=sys.stderr)
         del llm, engine
 
     base = next((r for r in rows if r["run"] == "none"), rows[0])
     print(f"\n{args.model}, group size {args.group_size}, {torch.get_num_threads()} threads; ratios to {base['run']}")
-    print("| format | engine MB | KV B/token | decode b1 tok/s | decode b16 tok/s | prefill tok/s | ppl vs bf16 | build s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| format | engine MB | KV B/token | decode b1 tok/s | decode b16 tok/s | prefill tok/s | ppl vs bf16 | "
+          "engine ppl (float act) | engine ppl, int8 act | build s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def cell(key, fmt="{:.1f}"):
             return f"{fmt.format(r[key])} ({r[key] / base[key]:.2f}x)"
         ppl = "-" if r["ppl_increase_pct"] is None else f"{r['ppl_increase_pct']:+.2f}%"
+        def ppl_cell(key):
+            if key not in r:
+                return "-"
+            return f"{r[key]:.3f} ({100 * (r[key] / base['engine_ppl'] - 1):+.2f}%)" if "engine_ppl" in base else f"{r[key]:.3f}"
         print(f"| {r['run']} | {cell('engine_mb')} | {cell('kv_bytes_per_token', '{:d}')} | {cell('decode_b1')} | "
-              f"{cell('decode_b16')} | {cell('prefill')} | {ppl} | {r['build_s'] or 0:.0f} |")
+              f"{cell('decode_b16')} | {cell('prefill')} | {ppl} | {ppl_cell('engine_ppl')} | "
+              f"{ppl_cell('engine_ppl_int8_act')} | {r['build_s'] or 0:.0f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

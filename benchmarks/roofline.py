@@ -52,6 +52,13 @@ def main():
     ap.add_argument("--output_len", type=int, default=128)
     args = ap.parse_args()
 
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from throughput import cpu_banner
+
+    print(cpu_banner())
     results = {t: bandwidth(args.gib, t) for t in sorted({1, args.threads})}
     for t, r in results.items():
         print(f"{t} thread(s): copy {r['copy']:.1f} GB/s (read+write), read {r['read']:.1f} GB/s")

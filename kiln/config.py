@@ -222,6 +222,21 @@ class BuildConfig:
         "gpt_attention_plugin": None, "gemm_plugin": None, "rmsnorm_plugin": None, "rope_plugin": None,
         "swiglu_plugin": None,
     })
+    # gemm_plugin "cpp": time every GEMM kernel per GEMM and token bucket at build (kiln.plugins.tactics)
+    # and keep the winners; timing_cache: a JSON file of measurements reused across builds.
+    tactic_timing: bool = True
+    timing_cache: str | None = None
+    # int8 and int4 weights' GEMMs may quantize activations to int8 (per 32 k) where that times
+    # faster (llama.cpp's q8 activations): a change of arithmetic, off by default (W8A16/W4A16).
+    int8_activations: bool = False
+    # The lm_head RTN-quantized at build, in the checkpoint's weight-only width (int4 for int4 formats,
+    # else int8); off by default, as in ModelOpt.
+    quantize_lm_head: bool = False
+    # Written by engine-build: the tactic table (per GEMM and bucket: the winner and every candidate's
+    # microseconds), the CPU features its kernels need, and the CPU it was timed on.
+    gemm_tactics: dict | None = None
+    cpu_features: list | None = None
+    build_cpu: str | None = None
     kiln_version: str = __version__
     target_device: str = "cpu"
 

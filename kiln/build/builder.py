@@ -89,6 +89,26 @@ def check_output_dir(checkpoint_dir: Path, output_dir: Path) -> None:
                                   f"with build_config); remove it or choose another output dir")
 
 
+def _record_tactics(build: BuildConfig, ranks: list, log) -> None:
+    """The GEMM tactics each rank timed (kiln/build/ranks.py) into build_config: the table, and the
+    CPU features the chosen kernels need (checked when an engine loads on another CPU)."""
+    from kiln.plugins import tactics
+
+    tables = [r.gemm_tactics for r in ranks if r.gemm_tactics]
+    if not tables:
+        return
+    table = {}
+    for t in tables:  # ranks of one mapping share their GEMM shapes: the first rank's row per shape
+        for key, entry in t.items():
+            table.setdefault(key, entry)
+    build.gemm_tactics = table
+    build.cpu_features = sorted(set().union(*(tactics.features_needed(tactics.kernels_of(t)) for t in tables)))
+    build.build_cpu = f"{tactics.cpu_model()} ({','.join(tactics.cpu_features())})"
+    log(f"GEMM tactics, {torch.get_num_threads()} threads, {build.build_cpu}:\n{tactics.format_table(table)}")
+    log(f"timed GEMM tactics in {sum(r.tactic_seconds for r in ranks):.1f}s; the engine's kernels need: "
+        f"{', '.join(build.cpu_features) or 'nothing beyond x86-64'}")
+
+
 def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, tokenizer_dir=None,
                  workers: int = 1) -> Path:
     """tokenizer_dir: where the tokenizer files come from (default: the checkpoint dir; ModelOpt's
@@ -130,6 +150,9 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
     if pretrained.mapping.tp_size > 1:
         # TensorRT-LLM's name for its collectives plugin: the graph calls kiln_cpp::all_reduce/all_gather.
         build.plugin_config["nccl_plugin"] = "cpp"
+    if build.quantize_lm_head and build.plugin_config["gemm_plugin"] != "cpp":
+        raise ConfigError("--quantize_lm_head needs the C++ GEMM plugin (--gemm_plugin cpp, an aoti build's default "
+                          "for bf16/fp16 or quantized weights)")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:
@@ -140,7 +163,8 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
                 if world > 1:
                     log(f"rank {r.rank}: built in {r.seconds:.1f}s, peak RSS {r.peak_rss_mb:.0f} MB")
 
-            build_ranks(checkpoint_dir, pretrained, build, tmp, workers, built)
+            ranks = build_ranks(checkpoint_dir, pretrained, build, tmp, workers, built)
+        _record_tactics(build, ranks, log)
         write_json(tmp / "config.json", EngineConfig(pretrained, build).to_dict())
         tokenizer_from = Path(tokenizer_dir or checkpoint_dir)
         copy_tokenizer_files(tokenizer_from, tmp)

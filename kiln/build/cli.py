@@ -28,6 +28,21 @@ BUILD_OPTIONS = [
                  help="Linear layers on the C++ GEMM plugin (weights packed, kept int8/int4/fp8 when "
                       "quantized, decoded in the kernel) or traced inline onto ATen / Inductor GEMMs. "
                       "Default: cpp for aoti with bf16/fp16 or quantized weights, else inline."),
+    click.option("--tactic_timing/--no_tactic_timing", default=True, show_default=True,
+                 help="With --gemm_plugin cpp: time every GEMM kernel that runs on this machine (the plugin's "
+                      "AVX2/AVX-512-BF16/AMX/int8 kernels, ATen's) per GEMM and token-count bucket, keep the "
+                      "fastest, and print the table. Off: the op's own untimed choice."),
+    click.option("--timing_cache", default=None, type=click.Path(dir_okay=False),
+                 help="JSON file of kernel timings, read and extended by the build: a rebuild on the same "
+                      "machine, library and thread count reuses the measurements."),
+    click.option("--int8_activations/--no_int8_activations", default=False, show_default=True,
+                 help="Let int8/int4 weights' GEMMs quantize activations to int8 (one scale per 32 k) where "
+                      "that times faster, as llama.cpp does: faster small-batch decode, slightly different "
+                      "arithmetic (benchmarks/quant.py reports the perplexity cost). Off: W8A16/W4A16 as specified."),
+    click.option("--quantize_lm_head/--no_quantize_lm_head", default=False, show_default=True,
+                 help="Quantize the lm_head at build time (round to nearest): int4 with the checkpoint's group "
+                      "size for int4 formats, else int8 per row. Needs --gemm_plugin cpp. A tied embedding then "
+                      "keeps its own unquantized table."),
     click.option("--workers", type=int, default=1, show_default=True,
                  help="Rank engines compiled at once, each in a process of its own that reads only its "
                       "rank's weights (1: every rank in turn, in this process)."),

@@ -12,10 +12,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.config import BuildConfig, ConfigError, PretrainedConfig
+from kiln.utils import progress
 
 
 @dataclass
@@ -23,6 +24,8 @@ class RankBuild:
     rank: int
     seconds: float
     peak_rss_mb: float  # of the process that built it (with workers == 1: every rank built so far)
+    gemm_tactics: dict = field(default_factory=dict)  # kiln.plugins.tactics.select's table, if timed
+    tactic_seconds: float = 0.0
 
 
 def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildConfig, rank: int,
@@ -31,19 +34,43 @@ def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildC
     from kiln.build.builder import load_rank_weights
     from kiln.build.export import export
     from kiln.models.llama import LlamaForCausalLM
-    from kiln.utils import progress
 
     start = time.time()
-    with progress(total=3, desc=f"rank {rank}", disable=not show_progress) as bar:
+    timing = build.plugin_config["gemm_plugin"] == "cpp" and build.tactic_timing
+    table, tactic_seconds = {}, 0.0
+    with progress(total=4 if timing else 3, desc=f"rank {rank}", disable=not show_progress) as bar:
         weights = load_rank_weights(checkpoint_dir, pretrained, rank)
-        model = LlamaForCausalLM(pretrained, weights, rank, build.plugin_config).eval()
+        model = LlamaForCausalLM(pretrained, weights, rank, build.plugin_config, build.quantize_lm_head).eval()
         bar.update(1)
+        if timing:
+            timed = time.time()
+            table = time_tactics(model, pretrained, build)
+            tactic_seconds = time.time() - timed
+            bar.update(1)
         program = export(model, pretrained, build, rank)
         del model, weights
         bar.update(1)
         backends.COMPILERS[build.backend](program, path, build.max_autotune)
         bar.update(1)
-    return RankBuild(rank, time.time() - start, own_peak_rss_mb())
+    return RankBuild(rank, time.time() - start, own_peak_rss_mb(), table, tactic_seconds)
+
+
+def time_tactics(model, pretrained: PretrainedConfig, build: BuildConfig) -> dict:
+    """Times the GEMM kernels of the rank's packed layers (kiln.plugins.tactics), sets each layer's
+    tactics before export bakes them in, and returns the table (measurements go to the timing cache)."""
+    import torch
+
+    from kiln.config import torch_dtype
+    from kiln.models.linear import PackedLinear
+    from kiln.plugins import tactics
+
+    cache = tactics.TimingCache(build.timing_cache)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    with torch.no_grad():
+        table = tactics.select(layers, torch_dtype(pretrained.dtype), build.max_num_tokens, build.int8_activations,
+                               cache)
+    cache.save()
+    return table
 
 
 def own_peak_rss_mb() -> float:

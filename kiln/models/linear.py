@@ -139,22 +139,44 @@ class PackedLinear(nn.Module):
 
     The kernel decodes bf16/fp16/int8/fp8/int4 weights in its inner loop. A quantized activation
     (SmoothQuant's int8, FP8's fp8) is rounded to its grid here, in the graph, and rides the kernel
-    as exact values in x's dtype; scale folds the activation and weight scales per column."""
+    as exact values in x's dtype; scale folds the activation and weight scales per column.
+    `tactics` (set by engine-build's timing, kiln.plugins.tactics) picks the kernel per token count."""
 
-    def __init__(self, weight, n, scale=None, bias=None, group_size=0, pre_quant_scale=None,
-                 act_scale=None, act_dtype=None):
+    def __init__(self, weight, n, k, scale=None, bias=None, group_size=0, pre_quant_scale=None,
+                 act_scale=None, act_dtype=None, out_float=False):
         super().__init__()
         for key, value in dict(weight=weight, scale=scale, bias=bias, pre_quant_scale=pre_quant_scale,
                                act_scale=act_scale).items():
             self.register_buffer(key, value)
-        self.n, self.group_size, self.act_dtype = n, group_size, act_dtype
+        self.n, self.k, self.group_size, self.act_dtype, self.out_float = n, k, group_size, act_dtype, out_float
+        self.tactics: tuple[int, ...] = ()
 
     def forward(self, x):
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
         if self.act_dtype is not None:
             x = quant.quantize_to(x, self.act_scale, self.act_dtype).to(x.dtype)
-        return gemm.gemm(x, self.weight, self.scale, self.bias, self.n, self.group_size)
+        return gemm.gemm(x, self.weight, self.scale, self.bias, self.n, self.group_size, self.out_float, self.tactics)
+
+
+def packed_lm_head(config: PretrainedConfig, weight: torch.Tensor, quantize: bool = False) -> PackedLinear:
+    """The vocab GEMM (float32 logits) on the plugin. quantize (--quantize_lm_head): its weight
+    round-to-nearest quantized at build time, in the checkpoint's weight-only width: int4 with the
+    checkpoint's group size for the int4 formats, else int8 per row (ModelOpt keeps lm_head
+    unquantized by default, and so does Kiln)."""
+    n, k = weight.shape
+    if not quantize:
+        return PackedLinear(gemm.pack(weight), n, k, out_float=True)
+    w = weight.float()
+    if config.quantization.quant_algo in INT4_ALGOS:
+        g = config.quantization.group_size
+        scale = (w.view(n, -1, g).abs().amax(-1) / 7).clamp(min=1e-10)  # ModelOpt's int4 RTN: amax / 7
+        q = (w.view(n, -1, g) / scale[..., None]).round().clamp(-8, 7).view(n, -1)
+        packed, scales = gemm.pack_int4(q, scale, g)
+        return PackedLinear(packed, n, k, scales, group_size=g, out_float=True)
+    scale = (w.abs().amax(-1) / 127).clamp(min=1e-10)
+    return PackedLinear(gemm.pack(quant.quantize_int8(w, scale[:, None])), n, k, gemm.pack_scale(scale, n),
+                        out_float=True)
 
 
 class _NotFusable(Exception):
@@ -209,20 +231,21 @@ def _build_packed(algo, parts, dtype, group_size, bias):
     pqs = _shared(parts, "prequant_scaling_factor") if "prequant_scaling_factor" in parts[0] else None
     pqs = None if pqs is None else pqs.to(dtype)
     n = sum(p["weight"].shape[0] for p in parts) * (2 if algo in INT4_ALGOS else 1)
+    k = parts[0]["weight"].shape[1]
     bias = None if bias is None else bias.float()
     if algo is None:
-        return PackedLinear(gemm.pack(cat("weight").to(dtype)), n, bias=bias)
+        return PackedLinear(gemm.pack(cat("weight").to(dtype)), n, k, bias=bias)
     if algo == "W8A16":
-        return PackedLinear(gemm.pack(cat("weight")), n, gemm.pack_scale(cat("weights_scaling_factor"), n), bias)
+        return PackedLinear(gemm.pack(cat("weight")), n, k, gemm.pack_scale(cat("weights_scaling_factor"), n), bias)
     if algo in INT4_ALGOS and algo != "W4A8_AWQ":
         weight, scale = gemm.pack_int4(quant.unpack_int4(cat("weight")), cat("weights_scaling_factor"), group_size)
-        return PackedLinear(weight, n, scale, bias, group_size, pqs)
+        return PackedLinear(weight, n, k, scale, bias, group_size, pqs)
     act_scale = _shared(parts, "activation_scaling_factor").reshape(()).float()
     if algo == "W8A8_SQ_PER_CHANNEL":
         weight, scale, act_dtype = cat("weight"), act_scale * cat("weights_scaling_factor"), torch.int8
     else:
         (weight, scale), act_dtype = _fp8_weight_and_scale(algo, parts, act_scale, group_size), FP8
-    return PackedLinear(gemm.pack(weight), n, gemm.pack_scale(scale, n), bias, 0, pqs, act_scale, act_dtype)
+    return PackedLinear(gemm.pack(weight), n, k, gemm.pack_scale(scale, n), bias, 0, pqs, act_scale, act_dtype)
 
 
 def make_linear(config: PretrainedConfig, weights: dict, names: list[str], bias=None, packed=False) -> nn.Module:

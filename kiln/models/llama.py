@@ -9,7 +9,7 @@ from torch import nn
 
 from kiln.config import PretrainedConfig
 from kiln.models import rope
-from kiln.models.linear import make_linear, tensor_specs
+from kiln.models.linear import make_linear, packed_lm_head, tensor_specs
 from kiln.models.parallel import TensorParallel
 from kiln.plugins import cpu, gemm, ops
 
@@ -72,9 +72,11 @@ class LlamaLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Rank `rank` of the checkpoint's mapping: its pipeline stage's layers, its tensor-parallel
     share of each (kiln/models/parallel.py). The first stage embeds input_ids, later ones continue
-    from hidden_states; the last stage returns logits, earlier ones the hidden states for the next."""
+    from hidden_states; the last stage returns logits, earlier ones the hidden states for the next.
+    quantize_lm_head: the vocab GEMM's weight quantized at build (--quantize_lm_head)."""
 
-    def __init__(self, config: PretrainedConfig, weights: dict, rank: int = 0, plugin_config: dict | None = None):
+    def __init__(self, config: PretrainedConfig, weights: dict, rank: int = 0, plugin_config: dict | None = None,
+                 quantize_lm_head: bool = False):
         super().__init__()
         self.config = config
         self.ops = _Ops(plugin_config or {})
@@ -96,22 +98,22 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             LlamaLayer(config, weights, f"transformer.layers.{i}.", self.packed) for i in self.layer_ids)
         if self.is_last:
-            self._init_head(weights)
+            self._init_head(weights, quantize_lm_head)
         self.register_buffer("inv_freq", rope.inv_freq(config), persistent=False)
         # Static per-layer scales of an 8-bit KV cache: the pool holds round/cast(x / scale).
         self.register_buffer("kv_scales", torch.cat([
             weights[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"].float().reshape(1)
             for i in self.layer_ids]) if config.quantization.kv_cache_quant_algo else None)
 
-    def _init_head(self, weights: dict) -> None:
+    def _init_head(self, weights: dict, quantize_lm_head: bool) -> None:
         self.ln_f = nn.Parameter(weights["transformer.ln_f.weight"], requires_grad=False)
         lm_head = weights["lm_head.weight"]
         tied = (self.config.tie_word_embeddings and self.vocab_embedding is not None
                 and torch.equal(lm_head, self.vocab_embedding))
         self.vocab_rows = lm_head.shape[0]
         if self.packed:
-            self.lm_head = nn.Parameter(gemm.pack(lm_head), requires_grad=False)
-            if tied:  # embedding rows are read out of the packed table: one copy in the engine, not two
+            self.lm_head = packed_lm_head(self.config, lm_head, quantize_lm_head)
+            if tied and not quantize_lm_head:  # embedding rows are read out of the packed table: one copy, not two
                 self.vocab_embedding = None
         elif tied:
             self.lm_head = self.vocab_embedding  # one copy of the table in the engine, not two
@@ -120,7 +122,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _embed(self, input_ids):
         if self.vocab_embedding is None:  # tied to the packed lm_head
-            return self.tp.embedding(lambda ids: gemm.embedding(self.lm_head, ids, self.vocab_rows), input_ids)
+            return self.tp.embedding(lambda ids: gemm.embedding(self.lm_head.weight, ids, self.vocab_rows,
+                                                                self.config.hidden_size), input_ids)
         return self.tp.embedding(lambda ids: F.embedding(ids, self.vocab_embedding), input_ids)
 
     def forward(self, input_ids, positions, slot_mapping, ctx_token_index, ctx_block_tables,
@@ -162,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = (hidden + residual)[logits_index]
         hidden = o.rms_norm(hidden, self.ln_f, self.eps)
         if self.packed:
-            logits = gemm.gemm(hidden, self.lm_head, None, None, self.vocab_rows, 0, True)
+            logits = self.lm_head(hidden)
         else:
             logits = F.linear(hidden, self.lm_head).float()
         return self.tp.gather_logits(logits)[:, : self.config.vocab_size]

@@ -1,27 +1,49 @@
 // kiln_cpp::gemm: the C++ CPU GEMM plugin for linear layers with packed (and quantized) weights.
 //
-//   gemm(x [..., K], weight, scale?, bias?, n, group_size, out_float) -> [..., n]
-//   embedding(packed [panels, K, 16], ids [...], n) -> [..., K]: rows of a packed table
+//   gemm(x [..., K], weight, scale?, bias?, n, group_size, out_float, tactics) -> [..., n]
+//   embedding(packed, ids [...], n, k) -> [..., k]: rows of a packed table
+//   gemm_kernels(weight, x_dtype, group_size) -> int[]: the kernels that run here for that weight
 //
 // weight holds the [n, K] matrix in panels of 16 output columns (kiln/plugins/gemm.py packs it at
-// build time; rows past n are zero):
-//   float32 / bfloat16 / float16 [panels, K, 16]: dense;
-//   int8 [panels, K, 16] with scale [panels * 16]: w = q * scale (W8A16; SmoothQuant's int8 weights);
-//   float8_e4m3fn [panels, K, 16] with scale [panels * 16]: w = fp8 * scale (FP8, W4A8);
-//   uint8 [panels, K / 2, 16] with scale [K / group_size, panels * 16]: two int4 per byte along k
-//     (low nibble first, two's complement), w = q * scale[k / group_size] (W4A16, AWQ, GPTQ).
-// x is float32, bfloat16 or float16; the result is x's dtype (float32 with out_float), computed
-// in float32. bias, if given, has n values. Registered with a Meta kernel, so torch.export traces
-// it and an AOTInductor package calls it without Python, as kiln_cpp::paged_attention.
+// build time; rows past n and k past K are zero):
+//   float32 / float16 / float8_e4m3fn [panels, K, 16];
+//   bfloat16 [panels, Kb / 2, 32], Kb = K rounded up to 32: element [p, r, 2j + e] is column
+//     16p + j at k = 2r + e (k pairs: a vdpbf16ps operand; 16 rows are an AMX B tile);
+//   int8 [panels, Kq / 4, 64], Kq = K rounded up to 64: [p, r, 4j + e] is column 16p + j at k = 4r + e
+//     (k quads, a vpdpbusd operand), with scale [panels * 16]: w = q * scale (W8A16, SmoothQuant);
+//   uint8 (int4) [panels, K / 8, 64]: bytes 4j .. 4j + 3 of row r hold column 16p + j's eight k
+//     8r .. 8r + 7, byte e's low nibble k = 8r + e and its high nibble k = 8r + 4 + e, two's
+//     complement, with scale [K / group_size, panels * 16]: w = q * scale[k / group_size];
+//   fp8 with scale [panels * 16]: w = fp8 * scale (FP8, W4A8).
+// x is float32, bfloat16 or float16; the result is x's dtype (float32 with out_float), computed in
+// float32. bias, if given, has n values.
+//
+// tactics picks the kernel by the call's token count M: pairs (m_max, kernel id, gemm.h's Kernel)
+// in increasing m_max, the first with M <= m_max, else the last (empty: Kernel::Auto). engine-build
+// times the kernels per GEMM and token bucket and stores the winners in the graph. A kernel this
+// CPU cannot run (an engine built elsewhere) falls back, with a warning, to one that does the same
+// arithmetic: int8-activation kernels to another int8-activation kernel, the others to Auto. So an
+// engine never executes an instruction its CPU lacks.
+//
+// Registered with a Meta kernel, so torch.export traces it and an AOTInductor package calls it
+// without Python, as kiln_cpp::paged_attention.
 
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -32,14 +54,6 @@ namespace kiln {
 namespace {
 
 constexpr const char* kOp = "kiln_cpp::gemm: ";
-
-GemmPanelsFn select_kernel() {
-  const std::string capability = at::get_cpu_capability();
-#if KILN_X86_KERNELS
-  if (capability == "AVX512" || capability == "AVX2") return &AVX2::gemm_panels;
-#endif
-  return &DEFAULT::gemm_panels;
-}
 
 WeightFormat format_of(const at::Tensor& w) {
   switch (w.scalar_type()) {
@@ -64,23 +78,219 @@ OutType out_type_of(at::ScalarType t) {
   }
 }
 
+// k per stored row, the K padding and the row width of a format's panels.
+struct Layout {
+  int64_t k_per_row, pad_k, width;
+};
+
+Layout layout_of(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::BFloat16: return {kPairK, kBf16PadK, kPairK * kPanel};
+    case WeightFormat::Int8: return {kQuadK, kInt8PadK, kQuadK * kPanel};
+    case WeightFormat::Int4: return {kInt4K, kInt4K, 4 * kPanel};
+    default: return {1, 1, kPanel};
+  }
+}
+
+int64_t panel_rows_for(WeightFormat f, int64_t K) {
+  const Layout l = layout_of(f);
+  return round_up(K, l.pad_k) / l.k_per_row;
+}
+
+// -- kernels ------------------------------------------------------------------------------------
+
+struct KernelInfo {
+  const char* name;
+  uint32_t needs;  // features
+  bool int8_act;   // quantizes x to int8 (int8 and int4 weights only)
+  bool bf16_x;     // multiplies x in bf16 (bf16 x only)
+};
+
+const std::array<KernelInfo, kNumKernels> kKernels = {{
+    {"auto", 0, false, false},
+    {"portable", 0, false, false},
+    {"avx2", kAvx2, false, false},
+    {"avx512_bf16", kAvx512Bf16, false, true},
+    {"amx_bf16", kAmxBf16, false, true},
+    {"aten", 0, false, false},
+    {"avx2_int8", kAvx2, true, false},
+    {"avx512_vnni", kAvx512Vnni, true, false},
+    {"portable_int8", 0, true, false},
+}};
+
+bool formats_fit(const KernelInfo& k, WeightFormat f, at::ScalarType x) {
+  if (k.int8_act) return f == WeightFormat::Int8 || f == WeightFormat::Int4;
+  return !k.bf16_x || x == at::kBFloat16;
+}
+
+bool runs_here(Kernel kernel, WeightFormat f, at::ScalarType x) {
+  const KernelInfo& k = kKernels[static_cast<int>(kernel)];
+  return (cpu_features() & k.needs) == k.needs && formats_fit(k, f, x);
+}
+
+// The untimed choice: the float kernels' arithmetic (bf16 weights on the bf16 units, where they
+// are exact up to the order of the sums; the other formats on the float kernels).
+Kernel auto_kernel(int64_t M, WeightFormat f, at::ScalarType x) {
+  if (f == WeightFormat::BFloat16 && x == at::kBFloat16) {
+    if (M >= 16 && runs_here(Kernel::AmxBf16, f, x)) return Kernel::AmxBf16;
+    if (runs_here(Kernel::Avx512Bf16, f, x)) return Kernel::Avx512Bf16;
+  }
+  return (cpu_features() & kAvx2) ? Kernel::Avx2 : Kernel::Portable;
+}
+
+Kernel fallback(Kernel wanted, int64_t M, WeightFormat f, at::ScalarType x) {
+  if (kKernels[static_cast<int>(wanted)].int8_act) {
+    for (Kernel k : {Kernel::Avx512Vnni, Kernel::Avx2Int8, Kernel::PortableInt8})
+      if (runs_here(k, f, x)) return k;
+  }
+  return auto_kernel(M, f, x);
+}
+
+// KILN_GEMM_KERNEL=<name>: that kernel for every call whose operands it takes, whatever the tactics
+// say (benchmarks/quant.py measures the perplexity of int8 activations at every token count so).
+int forced_kernel() {
+  static const int forced = [] {
+    const char* name = std::getenv("KILN_GEMM_KERNEL");
+    for (int i = 0; name != nullptr && i < kNumKernels; ++i)
+      if (std::string(name) == kKernels[i].name) return i;
+    TORCH_CHECK(name == nullptr || *name == '\0', kOp, "KILN_GEMM_KERNEL=", name, " is not a kernel name");
+    return -1;
+  }();
+  return forced;
+}
+
+Kernel pick(const c10::IntArrayRef tactics, int64_t M, WeightFormat f, at::ScalarType x) {
+  TORCH_CHECK(tactics.size() % 2 == 0, kOp, "tactics must be (m_max, kernel) pairs, got ", tactics.size(), " values");
+  Kernel wanted = Kernel::Auto;
+  for (size_t i = 0; i < tactics.size(); i += 2) {
+    TORCH_CHECK(tactics[i + 1] >= 0 && tactics[i + 1] < kNumKernels, kOp, "unknown kernel id ", tactics[i + 1],
+                " in tactics (this kiln knows 0 .. ", kNumKernels - 1, ")");
+    wanted = static_cast<Kernel>(tactics[i + 1]);
+    if (M <= tactics[i]) break;
+  }
+  if (forced_kernel() >= 0 && formats_fit(kKernels[forced_kernel()], f, x)) wanted = static_cast<Kernel>(forced_kernel());
+  if (wanted == Kernel::Auto) return auto_kernel(M, f, x);
+  if (runs_here(wanted, f, x)) return wanted;
+  const Kernel instead = fallback(wanted, M, f, x);
+  const KernelInfo& k = kKernels[static_cast<int>(wanted)];
+  static std::mutex mutex;
+  static std::array<bool, kNumKernels> warned{};
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!warned[static_cast<int>(wanted)]) {
+    warned[static_cast<int>(wanted)] = true;
+    char missing[128];
+    feature_names(k.needs & ~cpu_features(), missing, sizeof missing);
+    TORCH_WARN("kiln_cpp::gemm: this engine's GEMM tactic '", k.name, "' ",
+               missing[0] ? std::string("needs ") + missing + ", which this CPU lacks"
+                          : std::string("does not take these operands"),
+               "; running '", kKernels[static_cast<int>(instead)].name,
+               "' instead (rebuild the engine on this machine to time the kernels it has)");
+  }
+  return instead;
+}
+
+// -- buffers ------------------------------------------------------------------------------------
+
 // Per-thread buffers only grow: resizing down and up again, as calls alternate between layers of
 // different K, would zero the regrown part every time.
 template <typename T>
-void grow(std::vector<T>& buffer, int64_t size) {
+T* grown(std::vector<T>& buffer, int64_t size) {
   if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
+
+void* aligned_scratch(int64_t bytes) {
+  thread_local std::vector<uint8_t> scratch;
+  uint8_t* base = grown(scratch, bytes + 64);
+  return base + (-reinterpret_cast<uintptr_t>(base) & 63);
 }
 
 template <typename T>
-void to_float(const T* in, float* out, int64_t count) {
-  at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(in[i]);
+float to_f(T v) { return static_cast<float>(v); }
+
+// x [M, K] as float32 rows of stride ldx, zero past K.
+const float* float_x(const at::Tensor& xc, int64_t M, int64_t K, int64_t ldx) {
+  if (xc.scalar_type() == at::kFloat && ldx == K) return xc.const_data_ptr<float>();
+  thread_local std::vector<float> buffer;
+  float* out = grown(buffer, M * ldx);
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float* row = out + m * ldx;
+      switch (xc.scalar_type()) {
+        case at::kFloat: std::memcpy(row, xc.const_data_ptr<float>() + m * K, K * sizeof(float)); break;
+        case at::kBFloat16: {
+          const c10::BFloat16* in = xc.const_data_ptr<c10::BFloat16>() + m * K;
+          for (int64_t k = 0; k < K; ++k) row[k] = in[k];
+          break;
+        }
+        default: {
+          const c10::Half* in = xc.const_data_ptr<c10::Half>() + m * K;
+          for (int64_t k = 0; k < K; ++k) row[k] = in[k];
+        }
+      }
+      std::fill(row + K, row + ldx, 0.0f);
+    }
   });
+  return out;
 }
 
-void check_packed(const at::Tensor& t, const char* op, const char* what) {
-  TORCH_CHECK(t.dim() == 3 && t.size(2) == kPanel && t.is_contiguous(), op, what,
-              " must be contiguous [panels, K, 16] (kiln.plugins.gemm packs it), got shape ", t.sizes());
+// bf16 x as [rows, ldxb]: x itself when its layout already fits, else a zero-padded copy.
+const uint16_t* bf16_x(const at::Tensor& xc, int64_t M, int64_t K, int64_t ldxb, int64_t rows) {
+  const auto* x = reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>());
+  if (ldxb == K && rows == M) return x;
+  thread_local std::vector<uint16_t> buffer;
+  uint16_t* out = grown(buffer, rows * ldxb);
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* row = out + m * ldxb;
+    if (m < M) std::memcpy(row, x + m * K, K * sizeof(uint16_t));
+    std::fill(row + (m < M ? K : 0), row + ldxb, uint16_t{0});
+  }
+  return out;
+}
+
+// The weight as a dense [n, K] matrix in dtype (quantized ones dequantized, their scales folded in).
+at::Tensor dense_weight(const at::Tensor& w, const GemmParams& p, at::ScalarType dtype) {
+  const int64_t P = w.size(0), R = w.size(1);
+  at::Tensor d;
+  switch (p.format) {
+    case WeightFormat::BFloat16: {  // k pairs are 32-bit units: a transpose of them, in parallel
+      d = at::empty({P * kPanel, R * 2}, w.options());
+      const auto* in = reinterpret_cast<const uint32_t*>(w.const_data_ptr<c10::BFloat16>());
+      auto* out = reinterpret_cast<uint32_t*>(d.mutable_data_ptr<c10::BFloat16>());
+      at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t panel = begin; panel < end; ++panel)
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t j = 0; j < kPanel; ++j) out[(panel * kPanel + j) * R + r] = in[(panel * R + r) * kPanel + j];
+      });
+      d = d.to(dtype);
+      break;
+    }
+    case WeightFormat::Int8: {
+      const at::Tensor s = at::from_blob(const_cast<float*>(p.col_scale), {P * kPanel, 1}, at::kFloat);
+      d = (w.view({P, R, kPanel, 4}).permute({0, 2, 1, 3}).reshape({P * kPanel, R * 4}).to(at::kFloat) * s).to(dtype);
+      break;
+    }
+    case WeightFormat::Int4: {
+      const at::Tensor b = w.view({P, R, kPanel, 4}).to(at::kInt);
+      const at::Tensor lo = ((b & 15) ^ 8) - 8, hi = ((at::bitwise_right_shift(b, 4) & 15) ^ 8) - 8;
+      const at::Tensor q = at::cat({lo, hi}, -1).permute({0, 2, 1, 3}).reshape({P * kPanel, R * 8});
+      const at::Tensor gs = at::from_blob(const_cast<float*>(p.group_scale), {p.K >> p.group_shift, P * kPanel}, at::kFloat);
+      d = (q.to(at::kFloat) * gs.t().repeat_interleave(int64_t{1} << p.group_shift, 1)).to(dtype);
+      break;
+    }
+    default: {
+      at::Tensor f = w.permute({0, 2, 1}).reshape({P * kPanel, R}).to(at::kFloat);
+      if (p.col_scale != nullptr) f = f * at::from_blob(const_cast<float*>(p.col_scale), {P * kPanel, 1}, at::kFloat);
+      d = f.to(dtype);
+    }
+  }
+  return d.narrow(0, 0, p.n).narrow(1, 0, p.K);
+}
+
+void check_packed(const at::Tensor& t, const char* op, const char* what, int64_t width) {
+  TORCH_CHECK(t.dim() == 3 && t.size(2) == width && t.is_contiguous(), op, what, " must be contiguous [panels, rows, ",
+              width, "] (kiln.plugins.gemm packs it; engines built before the ", width,
+              "-wide layout must be rebuilt), got shape ", t.sizes());
 }
 
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
@@ -91,17 +301,18 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
 }
 
 at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-                    const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float) {
+                    const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
+                    c10::IntArrayRef tactics) {
   const WeightFormat format = format_of(weight);
   const at::ScalarType out_dtype = out_float ? at::kFloat : x.scalar_type();
   out_type_of(x.scalar_type());
   const int64_t K = x.size(-1);
-  check_packed(weight, kOp, "weight");
+  const Layout layout = layout_of(format);
+  check_packed(weight, kOp, "weight", layout.width);
   const int64_t panels = weight.size(0), padded = panels * kPanel;
   TORCH_CHECK(n > padded - kPanel && n <= padded, kOp, "n = ", n, " does not match ", panels, " weight panels");
-  const int64_t k_rows = format == WeightFormat::Int4 ? K / 2 : K;
-  TORCH_CHECK(weight.size(1) == k_rows && (format != WeightFormat::Int4 || K % 2 == 0), kOp, "x has K = ", K,
-              " input features but weight is ", weight.sizes());
+  TORCH_CHECK(weight.size(1) == panel_rows_for(format, K) && (format != WeightFormat::Int4 || K % 16 == 0), kOp,
+              "x has K = ", K, " input features but weight is ", weight.sizes());
 
   GemmParams p{};
   at::Tensor scale_f, bias_f;
@@ -109,8 +320,8 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
   TORCH_CHECK(scale.has_value() || !quantized, kOp, weight.scalar_type(), " weights need a scale");
   if (scale.has_value()) scale_f = scale->to(at::kFloat).contiguous();
   if (format == WeightFormat::Int4) {
-    TORCH_CHECK(group_size >= 16 && (group_size & (group_size - 1)) == 0 && K % group_size == 0, kOp,
-                "group_size must be a power of two >= 16 dividing K = ", K, ", got ", group_size);
+    TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0 && K % group_size == 0, kOp,
+                "group_size must be a power of two >= 32 dividing K = ", K, ", got ", group_size);
     TORCH_CHECK(scale_f.dim() == 2 && scale_f.size(0) == K / group_size && scale_f.size(1) == padded, kOp,
                 "int4 scale must be [K / group_size, panels * 16] = [", K / group_size, ", ", padded, "], got ",
                 scale_f.sizes());
@@ -126,64 +337,131 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
     bias_f = bias->to(at::kFloat).contiguous();
     p.bias = bias_f.const_data_ptr<float>();
   }
-
-  at::Tensor out = at::empty(out_shape(x, n), x.options().dtype(out_dtype));
   p.M = K == 0 ? 0 : x.numel() / K;
-  // x as float32 [M, K]: converted here rather than by ATen ops, whose dispatch costs more than a
-  // decode step's conversion (the GEMM runs ~120 times per step).
-  const at::Tensor xc = x.contiguous();
-  thread_local std::vector<float> x_float;
-  if (xc.scalar_type() == at::kFloat) {
-    p.x = xc.const_data_ptr<float>();
-  } else {
-    grow(x_float, p.M * K);
-    if (xc.scalar_type() == at::kBFloat16) {
-      to_float(xc.const_data_ptr<c10::BFloat16>(), x_float.data(), p.M * K);
-    } else {
-      to_float(xc.const_data_ptr<c10::Half>(), x_float.data(), p.M * K);
-    }
-    p.x = x_float.data();
-  }
   p.K = K;
   p.w = weight.const_data_ptr();
   p.format = format;
+  p.panel_rows = weight.size(1);
+  p.n = n;
+  const Kernel kernel = pick(tactics, p.M, format, x.scalar_type());
+  if (kernel == Kernel::Aten) {
+    at::Tensor y = at::linear(x, dense_weight(weight, p, x.scalar_type()));  // scales folded into the weight
+    if (bias_f.defined()) y = y + bias_f;
+    return y.to(out_dtype);
+  }
+
+  at::Tensor out = at::empty(out_shape(x, n), x.options().dtype(out_dtype));
   p.out = out.mutable_data_ptr();
   p.out_type = out_type_of(out_dtype);
-  p.n = n;
   if (p.M == 0) return out;
-
-  static const GemmPanelsFn kernel = select_kernel();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scratch;
-    grow(scratch, K * kPanel);
-    kernel(p, begin, end, scratch.data());
-  });
+  const at::Tensor xc = x.contiguous();
+  GemmPanelsFn run = nullptr;
+  const bool avx2 = (cpu_features() & kAvx2) != 0;
+  switch (kernel) {
+    case Kernel::Avx512Bf16:
+    case Kernel::AmxBf16: {
+      const bool amx = kernel == Kernel::AmxBf16;
+      const int64_t ldxb = (K % (amx ? kBf16PadK : 2) == 0) ? K : round_up(K, kBf16PadK);
+      p.ldxb = ldxb;
+      p.xb = bf16_x(xc, p.M, K, ldxb, amx ? round_up(p.M, 16) : p.M);
+      run = amx ? &amx::gemm_bf16_panels : &avx512::gemm_bf16_panels;
+      break;
+    }
+    case Kernel::Avx2Int8:
+    case Kernel::Avx512Vnni:
+    case Kernel::PortableInt8: {
+      const bool int4 = format == WeightFormat::Int4;
+      const int32_t offset = kernel == Kernel::Avx512Vnni ? (int4 ? 8 : 128) : kernel == Kernel::Avx2Int8 && int4 ? 8 : 0;
+      p.ldxq = round_up(K, kActBlock);
+      const int64_t blocks = p.ldxq / kActBlock;
+      thread_local std::vector<int8_t> xq;
+      thread_local std::vector<float> xs;
+      thread_local std::vector<int32_t> xcomp;
+      const float* xf = float_x(xc, p.M, K, K);
+      int8_t* q = grown(xq, p.M * p.ldxq);
+      float* s = grown(xs, p.M * blocks);
+      int32_t* c = grown(xcomp, p.M * blocks);
+      at::parallel_for(0, p.M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+        auto quantize = avx2 ? &AVX2::quantize_rows : &DEFAULT::quantize_rows;
+        quantize(xf + begin * K, end - begin, K, K, offset, q + begin * p.ldxq, p.ldxq, s + begin * blocks,
+                 c + begin * blocks);
+      });
+      p.xq = q;
+      p.xq_scale = s;
+      p.xq_comp = c;
+      run = kernel == Kernel::Avx512Vnni ? &avx512::gemm_vnni_panels
+            : kernel == Kernel::Avx2Int8 ? &AVX2::gemm_int8_panels
+                                         : &DEFAULT::gemm_int8_panels;
+      break;
+    }
+    default: {  // float kernels: x as float32, zero-padded to whole stored rows of k
+      p.ldx = K % layout.k_per_row == 0 ? K : round_up(K, kInt4K);
+      p.x = float_x(xc, p.M, K, p.ldx);
+      run = kernel == Kernel::Avx2 ? &AVX2::gemm_panels : &DEFAULT::gemm_panels;
+    }
+  }
+  const int64_t bytes = scratch_bytes(K);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) { run(p, begin, end, aligned_scratch(bytes)); });
   return out;
 }
 
-// Rows `ids` of a packed [n, K] table (a tied embedding reads the lm_head's packed copy): element k
-// of row i is packed[i / 16, k, i % 16]. An op of its own so that the compiler materializes the
-// embedding once; as indexing it fused the strided gather into every consumer of the residual.
-// T only fixes the element width: rows are copied bit for bit.
+std::vector<int64_t> gemm_kernels(const at::Tensor& weight, at::ScalarType x_dtype) {
+  const WeightFormat f = format_of(weight);
+  std::vector<int64_t> ids;
+  for (int i = 1; i < kNumKernels; ++i)
+    if (runs_here(static_cast<Kernel>(i), f, x_dtype)) ids.push_back(i);
+  return ids;
+}
+
+std::vector<int64_t> gemm_kernels_op(const at::Tensor& weight, at::ScalarType x_dtype) { return gemm_kernels(weight, x_dtype); }
+
+std::string cpu_feature_names() {
+  char names[128];
+  return feature_names(cpu_features(), names, sizeof names);
+}
+
+std::string kernel_name(int64_t id) {
+  TORCH_CHECK(id >= 0 && id < kNumKernels, kOp, "unknown kernel id ", id);
+  return kKernels[id].name;
+}
+
+std::vector<int64_t> kernel_info(int64_t id) {  // (needed features, int8 activations, bf16 x)
+  TORCH_CHECK(id >= 0 && id < kNumKernels, kOp, "unknown kernel id ", id);
+  const KernelInfo& k = kKernels[id];
+  return {k.needs, k.int8_act, k.bf16_x};
+}
+
+// Rows `ids` of a packed [n, k] table (a tied embedding reads the lm_head's packed copy): element k
+// of row i is at panel i / 16, stored row k / kk, position (i % 16) * kk + k % kk, for the layout's
+// kk k per row. An op of its own so that the compiler materializes the embedding once; as indexing
+// it fused the strided gather into every consumer of the residual. T only fixes the element width:
+// rows are copied bit for bit.
 template <typename T>
-void gather_rows(const void* packed, const int64_t* ids, void* rows, int64_t count, int64_t K) {
+void gather_rows(const void* packed, const int64_t* ids, void* rows, int64_t count, int64_t K, int64_t panel_rows,
+                 int64_t kk) {
   const T* table = static_cast<const T*>(packed);
   T* out = static_cast<T*>(rows);
   at::parallel_for(0, count, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const T* column = table + (ids[i] / kPanel) * K * kPanel + ids[i] % kPanel;
-      for (int64_t k = 0; k < K; ++k) out[i * K + k] = column[k * kPanel];
+      const T* column = table + (ids[i] / kPanel) * panel_rows * kPanel * kk + (ids[i] % kPanel) * kk;
+      for (int64_t k = 0; k < K; ++k) out[i * K + k] = column[k / kk * kPanel * kk + k % kk];
     }
   });
 }
 
-at::Tensor embedding_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_t n) {
+at::Tensor embedding_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_t n, int64_t k) {
   constexpr const char* op = "kiln_cpp::embedding: ";
-  check_packed(packed, op, "table");
+  TORCH_CHECK(packed.element_size() == 2 || packed.element_size() == 4, op,
+              "table must be float32, bfloat16 or float16, got ", packed.scalar_type());
+  const Layout layout = layout_of(format_of(packed));
+  check_packed(packed, op, "table", layout.width);
+  const int64_t K = k > 0 ? k : packed.size(1) * layout.k_per_row;
+  TORCH_CHECK(packed.size(1) == panel_rows_for(format_of(packed), K), op, "k = ", K, " does not match the table ",
+              packed.sizes());
   TORCH_CHECK(n > 0 && n <= packed.size(0) * kPanel, op, "n = ", n, " rows do not fit ", packed.size(0), " panels");
   TORCH_CHECK(ids.scalar_type() == at::kLong, op, "ids must be int64, got ", ids.scalar_type());
   const at::Tensor idc = ids.contiguous();
-  const int64_t count = idc.numel(), K = packed.size(1);
+  const int64_t count = idc.numel();
   const int64_t* id = idc.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
     TORCH_CHECK(id[i] >= 0 && id[i] < n, op, "token id ", id[i], " is outside the vocabulary [0, ", n, ")");
@@ -191,26 +469,24 @@ at::Tensor embedding_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(K);
   at::Tensor out = at::empty(shape, packed.options());
-  const void* table = packed.const_data_ptr();
-  void* rows = out.mutable_data_ptr();
-  switch (packed.element_size()) {
-    case 1: gather_rows<uint8_t>(table, id, rows, count, K); break;
-    case 2: gather_rows<uint16_t>(table, id, rows, count, K); break;
-    case 4: gather_rows<uint32_t>(table, id, rows, count, K); break;
-    default: TORCH_CHECK(false, op, "table must have 1-, 2- or 4-byte elements, got ", packed.scalar_type());
+  if (packed.element_size() == 2) {
+    gather_rows<uint16_t>(packed.const_data_ptr(), id, out.mutable_data_ptr(), count, K, packed.size(1), layout.k_per_row);
+  } else {
+    gather_rows<uint32_t>(packed.const_data_ptr(), id, out.mutable_data_ptr(), count, K, packed.size(1), layout.k_per_row);
   }
   return out;
 }
 
-at::Tensor embedding_meta(const at::Tensor& packed, const at::Tensor& ids, int64_t n) {
+at::Tensor embedding_meta(const at::Tensor& packed, const at::Tensor& ids, int64_t n, int64_t k) {
   std::vector<c10::SymInt> shape(ids.sym_sizes().begin(), ids.sym_sizes().end());
-  shape.push_back(packed.sym_size(1));
+  shape.push_back(k > 0 ? c10::SymInt(k) : packed.sym_size(1) * layout_of(format_of(packed)).k_per_row);
   return at::empty_symint(shape, packed.options());
 }
 
 // Symbolic sizes: torch.export traces with a dynamic number of tokens.
 at::Tensor gemm_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float) {
+                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
+                     c10::IntArrayRef tactics) {
   std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
   TORCH_CHECK(!shape.empty(), kOp, "x must have at least one dimension");
   shape.back() = n;
@@ -222,9 +498,16 @@ at::Tensor gemm_meta(const at::Tensor& x, const at::Tensor& weight, const std::o
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
   m.def("gemm(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int n, int group_size=0, "
-        "bool out_float=False) -> Tensor",
+        "bool out_float=False, int[] tactics=[]) -> Tensor",
         {at::Tag::pt2_compliant_tag});
-  m.def("embedding(Tensor packed, Tensor ids, int n) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("embedding(Tensor packed, Tensor ids, int n, int k=0) -> Tensor", {at::Tag::pt2_compliant_tag});
+  // The kernels that run on this CPU for a weight (its packed dtype) and x dtype: gemm.h's ids.
+  m.def("gemm_kernels(Tensor weight, ScalarType x_dtype) -> int[]", &kiln::gemm_kernels_op);
+  m.def("gemm_kernel_name(int id) -> str", &kiln::kernel_name);
+  // (needed feature mask, quantizes x to int8, multiplies x in bf16)
+  m.def("gemm_kernel_info(int id) -> int[]", &kiln::kernel_info);
+  // The features this process may use, e.g. "avx2,avx512,avx512_bf16,avx512_vnni,amx_bf16,amx_int8".
+  m.def("cpu_features() -> str", &kiln::cpu_feature_names);
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) {

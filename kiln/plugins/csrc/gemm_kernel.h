@@ -1,16 +1,23 @@
-// The weight-panel GEMM kernel, compiled once per CPU capability as paged_attention_kernel.h is:
-// kernels_<cap>.cpp defines CPU_CAPABILITY (the namespace) and the target options, then includes this.
+// The weight-panel GEMM kernels of ATen's CPU capabilities, compiled once per capability as
+// paged_attention_kernel.h is: kernels_<cap>.cpp defines CPU_CAPABILITY (the namespace) and the
+// target options, then includes this. The AVX-512 and AMX kernels live in gemm_avx512.cpp and
+// gemm_amx.cpp.
 //
 // out[M, n] = x[M, K] . W^T, times a per-column scale, plus bias. W is stored in panels of 16 output
-// columns, [panels, K, 16]: a panel is one contiguous stream, a thread's share of the panels is one
-// contiguous range, and each k of a panel is two 8-float registers after decoding. So:
-//  - M <= kDirectRows (decode, small batches): weights are decoded in the inner loop and read once,
-//    with 1-6 rows of x broadcast against them: a GEMV at memory bandwidth, in whatever width the
-//    weights are stored (bf16, fp16, int8, fp8, int4), which is what weight-only quantization buys.
-//    One or two rows read several panels at once, as several streams (see direct).
-//  - M > kDirectRows (prefill, large batches): each panel is decoded once into a float scratch
-//    (16 x K, L1/L2 resident) and a 6 x 16 register tile of FMAs runs every row block over it: the
-//    decode cost is paid once per panel instead of once per row, and the loop is FMA-bound.
+// columns (gemm.cpp has the layouts): a panel is one contiguous stream, a thread's share of the
+// panels is one contiguous range. Two families:
+//  - float (gemm_panels): x in float32.
+//    - M <= kDirectRows (decode, small batches): weights are decoded in the inner loop and read
+//      once, with 1-6 rows of x broadcast against them: a GEMV at memory bandwidth in whatever
+//      width the weights are stored. One or two rows read several panels at once, as several
+//      streams (see direct).
+//    - M > kDirectRows (prefill, large batches): each panel is decoded once into a float scratch
+//      (16 x K, L1/L2 resident) and a 6 x 16 register tile of FMAs runs every row block over it.
+//  - int8 activations (gemm_int8_panels; int8 and int4 weights): x quantized to int8 in blocks of
+//    kActBlock k (quantize_rows, once per call), integer dot products per block, each block's sum
+//    scaled into a float accumulator. On AVX2, vpmaddubsw (u8 x s8 -> s16 pairs) + vpmaddwd: int8
+//    weights go through it as |w| and x with w's sign (exact: |w| <= 128, |x| <= 127, no s16
+//    saturation), int4 ones as q + 8 in [0, 15], whose excess 8 * sum(x) is subtracted per block.
 // The AVX2 path uses raw intrinsics (the decodes are bit manipulations at::vec has no words for);
 // the DEFAULT path is plain C++ with the same semantics, for CPUs without AVX2.
 
@@ -18,9 +25,11 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #if defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -40,6 +49,16 @@ inline float column_factor(const GemmParams& p) {
   return p.format == WeightFormat::Fp8E4M3 ? kFp8Factor : 1.0f;
 }
 
+inline int64_t padded_columns(const GemmParams& p) { return round_up(p.n, kPanel); }
+
+inline void store_value(const GemmParams& p, int64_t at, float y) {
+  switch (p.out_type) {
+    case OutType::Float: static_cast<float*>(p.out)[at] = y; break;
+    case OutType::BFloat16: static_cast<c10::BFloat16*>(p.out)[at] = c10::BFloat16(y); break;
+    case OutType::Half: static_cast<c10::Half*>(p.out)[at] = c10::Half(y); break;
+  }
+}
+
 #if defined(CPU_CAPABILITY_AVX2)
 
 // With the hardware prefetchers alone a core streams a panel from DRAM at ~13 GB/s, where a plain
@@ -47,63 +66,87 @@ inline float column_factor(const GemmParams& p) {
 // layer GEMMs faster in every paired run (bf16 +2-40% in 8 of 8, int8 +11-36% in 3 of 3).
 constexpr int64_t kPrefetchBytes = 512;
 
-// At k of a panel whose rows of 16 weights are RowBytes wide (<= 64): one prefetch per line.
+// At stored row r of a panel whose rows are RowBytes wide (<= 64): one prefetch per line.
 template <int64_t RowBytes>
-inline void prefetch_ahead(const void* row, int64_t k) {
-  if (k % (64 / RowBytes) == 0) _mm_prefetch(static_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+inline void prefetch_ahead(const void* row, int64_t r) {
+  if (r % (64 / RowBytes) == 0) _mm_prefetch(static_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
 }
 
-// -- decoders: 16 weights of row k of one panel, as two 8-float registers ----------------------
+// -- decoders: at<e>(r, a, b) gives the 16 weights of k = r * kK + e as two 8-float registers --
 
 // Float weights streamed from memory, or (Stream = false) a panel decoded into the cache-resident
 // scratch, which the tile loop of a larger batch reads with nothing to prefetch.
 template <bool Stream>
 struct F32PanelOf {
+  static constexpr int kK = 1;
   const float* w;
-  void operator()(int64_t k, __m256& a, __m256& b) const {
-    if constexpr (Stream) prefetch_ahead<64>(w + k * kPanel, k);
-    a = _mm256_loadu_ps(w + k * kPanel);
-    b = _mm256_loadu_ps(w + k * kPanel + 8);
+  template <int e>
+  void at(int64_t r, __m256& a, __m256& b) const {
+    if constexpr (Stream) prefetch_ahead<64>(w + r * kPanel, r);
+    a = _mm256_loadu_ps(w + r * kPanel);
+    b = _mm256_loadu_ps(w + r * kPanel + 8);
   }
 };
 using F32Panel = F32PanelOf<true>;
 using ScratchPanel = F32PanelOf<false>;
 
+// k pairs: a 32-bit lane holds column j's bf16 at k (low half) and k + 1 (high half), so the even
+// k's float is the lane shifted up and the odd k's is the lane masked.
 struct BF16Panel {
+  static constexpr int kK = 2;
   const uint16_t* w;
-  void operator()(int64_t k, __m256& a, __m256& b) const {
-    prefetch_ahead<32>(w + k * kPanel, k);
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel + 8));
-    a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
-    b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
+  template <int e>
+  void at(int64_t r, __m256& a, __m256& b) const {
+    const __m256i* row = reinterpret_cast<const __m256i*>(w + r * 2 * kPanel);
+    if constexpr (e == 0) {
+      prefetch_ahead<64>(row, r);
+      a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(row), 16));
+      b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(row + 1), 16));
+    } else {
+      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+      a = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(row), high));
+      b = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(row + 1), high));
+    }
   }
 };
 
 struct HalfPanel {
+  static constexpr int kK = 1;
   const uint16_t* w;
-  void operator()(int64_t k, __m256& a, __m256& b) const {
-    prefetch_ahead<32>(w + k * kPanel, k);
-    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel)));
-    b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel + 8)));
+  template <int e>
+  void at(int64_t r, __m256& a, __m256& b) const {
+    prefetch_ahead<32>(w + r * kPanel, r);
+    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * kPanel)));
+    b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * kPanel + 8)));
   }
 };
 
+// k quads: byte e of column j's 32-bit lane is its int8 at k = 4r + e; shifting it to the top and
+// back sign-extends it.
 struct Int8Panel {
+  static constexpr int kK = 4;
   const int8_t* w;
-  void operator()(int64_t k, __m256& a, __m256& b) const {
-    // Two 8-byte loads widen straight from memory: no byte shift on the shuffle ports.
-    prefetch_ahead<16>(w + k * kPanel, k);
-    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * kPanel))));
-    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * kPanel + 8))));
+  template <int e>
+  static __m256 lane(__m256i v) {
+    if constexpr (e < 3) v = _mm256_slli_epi32(v, 24 - 8 * e);
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+  }
+  template <int e>
+  void at(int64_t r, __m256& a, __m256& b) const {
+    const __m256i* row = reinterpret_cast<const __m256i*>(w + r * 4 * kPanel);
+    if constexpr (e == 0) prefetch_ahead<64>(row, r);
+    a = lane<e>(_mm256_loadu_si256(row));
+    b = lane<e>(_mm256_loadu_si256(row + 1));
   }
 };
 
 struct Fp8Panel {
+  static constexpr int kK = 1;
   const uint8_t* w;
-  void operator()(int64_t k, __m256& a, __m256& b) const {
-    prefetch_ahead<16>(w + k * kPanel, k);
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel)));
+  template <int e>
+  void at(int64_t r, __m256& a, __m256& b) const {
+    prefetch_ahead<16>(w + r * kPanel, r);
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * kPanel)));
     const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
     const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7f)), 7);
     const __m256i h = _mm256_or_si256(sign, rest);
@@ -112,80 +155,81 @@ struct Fp8Panel {
   }
 };
 
-// int4: two k per byte, low nibble first, each a two's-complement q in [-8, 7]. Masking a nibble
-// into a byte's high half gives the int8 16 * q, so a sign-extending widen decodes it; the 1/16 joins
-// the group scale, which multiplies a group's partial sums rather than every weight.
-inline void int4_pair(const uint8_t* w, int64_t k, __m256& l0, __m256& l1, __m256& h0, __m256& h1) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k >> 1) * kPanel));
-  const __m128i high = _mm_set1_epi8(static_cast<char>(0xf0));
-  const __m128i lo = _mm_and_si128(_mm_slli_epi16(v, 4), high), hi = _mm_and_si128(v, high);
-  l0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-  l1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-  h0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-  h1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+// int4, k in eights: column j's 32-bit lane holds its nibbles for k = 8r + t at bit 8t (t < 4) and
+// 8(t - 4) + 4 (t >= 4), two's complement: shifted to the top and back, a nibble sign-extends.
+constexpr int nibble_shift(int t) { return t < 4 ? 8 * t : 8 * (t - 4) + 4; }
+
+template <int t>
+inline __m256 int4_lane(__m256i v) {
+  if constexpr (nibble_shift(t) != 28) v = _mm256_slli_epi32(v, 28 - nibble_shift(t));
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 28));
 }
 
 struct Int4Panel {
+  static constexpr int kK = 8;
   const uint8_t* w;
   const float* scale;  // this panel's column 0 of group_scale
   int64_t scale_stride;
   int64_t group_shift;
 
   void group_scale(int64_t group, __m256& s0, __m256& s1) const {
-    const __m256 sixteenth = _mm256_set1_ps(1.0f / 16.0f);
-    s0 = _mm256_mul_ps(_mm256_loadu_ps(scale + group * scale_stride), sixteenth);
-    s1 = _mm256_mul_ps(_mm256_loadu_ps(scale + group * scale_stride + 8), sixteenth);
+    s0 = _mm256_loadu_ps(scale + group * scale_stride);
+    s1 = _mm256_loadu_ps(scale + group * scale_stride + 8);
   }
-
-  // The whole panel as floats (scales applied) into scratch [K, 16].
-  void decode(int64_t K, float* out) const {
-    for (int64_t group = 0; group < (K >> group_shift); ++group) {
-      __m256 s0, s1;
-      group_scale(group, s0, s1);
-      for (int64_t k = group << group_shift; k < (group + 1) << group_shift; k += 2) {
-        __m256 l0, l1, h0, h1;
-        int4_pair(w, k, l0, l1, h0, h1);
-        _mm256_storeu_ps(out + k * kPanel, _mm256_mul_ps(l0, s0));
-        _mm256_storeu_ps(out + k * kPanel + 8, _mm256_mul_ps(l1, s1));
-        _mm256_storeu_ps(out + (k + 1) * kPanel, _mm256_mul_ps(h0, s0));
-        _mm256_storeu_ps(out + (k + 1) * kPanel + 8, _mm256_mul_ps(h1, s1));
-      }
-    }
+  template <int t>
+  void at(int64_t r, __m256& a, __m256& b) const {
+    const __m256i* row = reinterpret_cast<const __m256i*>(w + r * 4 * kPanel);
+    if constexpr (t == 0) prefetch_ahead<64>(row, r);
+    a = int4_lane<t>(_mm256_loadu_si256(row));
+    b = int4_lane<t>(_mm256_loadu_si256(row + 1));
   }
 };
 
+template <class F, int... I>
+inline void unrolled(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+
 // -- the register tile ----------------------------------------------------------------------------
 
-// acc[j][m] = sum_k x[m, k] * w[j][k, 0:16] for NP panels and MR rows. KU independent partial
-// sums per output (k = u mod KU), added up at the end, keep the FMA pipes busy when NP * MR is small
-// (an FMA waits for the previous one on its register). An output's sum depends on KU but not on NP,
-// so KU is fixed per MR: results do not depend on how the panels were split between threads.
+// acc[j][m] = sum_k x[m, k] * w[j][k, 0:16] for NP panels and MR rows, k < K (a whole number of
+// the panel's k per row; x is zero past the true K). KU independent partial sums per output
+// (k = u mod KU), added up at the end, keep the FMA pipes busy when NP * MR is small. An output's
+// sum depends on KU but not on NP, so KU is fixed per MR: results do not depend on how the panels
+// were split between threads.
 template <int MR, int KU, int NP, class Panel>
 inline void tile(const Panel* w, const float* x, int64_t ldx, int64_t K, __m256 (&acc)[NP][MR][2]) {
+  constexpr int KB = Panel::kK, L = KB > KU ? KB : KU;
   __m256 part[KU][NP][MR][2];
 #pragma GCC unroll 8
   for (int u = 0; u < KU; ++u)
     for (int j = 0; j < NP; ++j)
       for (int m = 0; m < MR; ++m) part[u][j][m][0] = part[u][j][m][1] = _mm256_setzero_ps();
-  auto step = [&](int u, int64_t k) {
+  // k = r * KB + e goes into partial set S (compile-time, so the partial sums stay in registers)
+  auto step = [&](int64_t r, auto e, auto s) {
+    constexpr int E = decltype(e)::value, S = decltype(s)::value;
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
       __m256 a, b;
-      w[j](k, a, b);
+      w[j].template at<E>(r, a, b);
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
-        const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
-        part[u][j][m][0] = _mm256_fmadd_ps(xv, a, part[u][j][m][0]);
-        part[u][j][m][1] = _mm256_fmadd_ps(xv, b, part[u][j][m][1]);
+        const __m256 xv = _mm256_broadcast_ss(x + m * ldx + r * KB + E);
+        part[S][j][m][0] = _mm256_fmadd_ps(xv, a, part[S][j][m][0]);
+        part[S][j][m][1] = _mm256_fmadd_ps(xv, b, part[S][j][m][1]);
       }
     }
   };
+  auto block = [&](int64_t r, auto first) {
+    unrolled([&](auto e) { step(r, e, std::integral_constant<int, (decltype(first)::value + decltype(e)::value) % KU>{}); },
+             std::make_integer_sequence<int, KB>{});
+  };
   int64_t k = 0;
-  for (; k + KU <= K; k += KU) {
-#pragma GCC unroll 8
-    for (int u = 0; u < KU; ++u) step(u, k + u);
+  for (; k + L <= K; k += L) {
+    unrolled([&](auto b) { block(k / KB + decltype(b)::value, std::integral_constant<int, decltype(b)::value * KB>{}); },
+             std::make_integer_sequence<int, L / KB>{});
   }
-  for (; k < K; ++k) step(0, k);
+  for (; k < K; k += KB) block(k / KB, std::integral_constant<int, 0>{});
   for (int j = 0; j < NP; ++j)
     for (int m = 0; m < MR; ++m) {
       acc[j][m][0] = part[0][j][m][0];
@@ -229,13 +273,7 @@ inline void store_row(const GemmParams& p, int64_t row, int64_t col0, int64_t co
   float tmp[kPanel];
   _mm256_storeu_ps(tmp, lo);
   _mm256_storeu_ps(tmp + 8, hi);
-  for (int64_t j = 0; j < cols; ++j) {
-    switch (p.out_type) {
-      case OutType::Float: static_cast<float*>(p.out)[at + j] = tmp[j]; break;
-      case OutType::BFloat16: static_cast<c10::BFloat16*>(p.out)[at + j] = c10::BFloat16(tmp[j]); break;
-      case OutType::Half: static_cast<c10::Half*>(p.out)[at + j] = c10::Half(tmp[j]); break;
-    }
-  }
+  for (int64_t j = 0; j < cols; ++j) store_value(p, at + j, tmp[j]);
 }
 
 template <int MR>
@@ -253,58 +291,45 @@ inline void finish(const GemmParams& p, int64_t row0, int64_t panel, __m256 (&ac
     store_row(p, row0 + m, col0, cols, _mm256_fmadd_ps(acc[m][0], s0, b0), _mm256_fmadd_ps(acc[m][1], s1, b1));
 }
 
+inline int64_t loop_k(const GemmParams& p, int kK) { return round_up(p.K, kK); }
+
 // Rows row0 .. row0 + MR of NP consecutive panels from `panel` on.
 template <int MR, int NP = 1, class Panel>
-inline void rows(const GemmParams& p, const Panel* w, int64_t row0, int64_t panel, int64_t K) {
+inline void rows(const GemmParams& p, const Panel* w, int64_t row0, int64_t panel) {
   constexpr int KU = MR <= 2 ? 2 : 1;
   __m256 acc[NP][MR][2];
-  tile<MR, KU, NP>(w, p.x + row0 * p.K, p.K, K, acc);
+  tile<MR, KU, NP>(w, p.x + row0 * p.ldx, p.ldx, loop_k(p, Panel::kK), acc);
   for (int j = 0; j < NP; ++j) finish<MR>(p, row0, panel + j, acc[j]);
-}
-
-// One k pair of the int4 direct path: even k into partial set L, odd k into set H (compile-time
-// indices, so the partial sums stay in registers).
-template <int MR, int L, int H, int S>
-inline void int4_step(const uint8_t* w, const float* x, int64_t ldx, int64_t k, __m256 (&part)[S][MR][2]) {
-  __m256 l0, l1, h0, h1;
-  int4_pair(w, k, l0, l1, h0, h1);
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) {
-    const __m256 x0 = _mm256_broadcast_ss(x + m * ldx + k), x1 = _mm256_broadcast_ss(x + m * ldx + k + 1);
-    part[L][m][0] = _mm256_fmadd_ps(x0, l0, part[L][m][0]);
-    part[L][m][1] = _mm256_fmadd_ps(x0, l1, part[L][m][1]);
-    part[H][m][0] = _mm256_fmadd_ps(x1, h0, part[H][m][0]);
-    part[H][m][1] = _mm256_fmadd_ps(x1, h1, part[H][m][1]);
-  }
 }
 
 // The direct path for int4: per group, partial sums for even and odd k (for 1-2 rows; more rows
 // are independent chains already) keep the FMA pipes busy; the group scale then folds them into acc.
-// On AVX2 the widening costs about as many instructions per weight as bf16's, so int4 buys
-// bandwidth, not compute: at batch 1 it runs at about 1.3-1.5x bf16, not 4x.
 template <int MR, int NP = 1>
-inline void rows(const GemmParams& p, const Int4Panel* panel_w, int64_t row0, int64_t panel, int64_t K) {
+inline void rows(const GemmParams& p, const Int4Panel* panel_w, int64_t row0, int64_t panel) {
   static_assert(NP == 1, "int4 panels are read one at a time");
   const Int4Panel& w = *panel_w;
   constexpr int S = MR <= 2 ? 2 : 1;
-  const float* x = p.x + row0 * p.K;
+  const float* x = p.x + row0 * p.ldx;
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  for (int64_t group = 0; group < (K >> w.group_shift); ++group) {
+  for (int64_t group = 0; group < (p.K >> w.group_shift); ++group) {
     __m256 part[S][MR][2];
 #pragma GCC unroll 8
     for (int u = 0; u < S; ++u)
       for (int m = 0; m < MR; ++m) part[u][m][0] = part[u][m][1] = _mm256_setzero_ps();
-    const int64_t end = (group + 1) << w.group_shift;  // groups are >= 16 k: whole steps of 4
-    for (int64_t k = group << w.group_shift; k < end; k += 4) {
-      prefetch_ahead<16>(w.w + (k >> 1) * kPanel, k >> 1);  // a pair of k per 16 bytes
-      if constexpr (S == 2) {
-        int4_step<MR, 0, 1>(w.w, x, p.K, k, part);
-        int4_step<MR, 0, 1>(w.w, x, p.K, k + 2, part);
-      } else {
-        int4_step<MR, 0, 0>(w.w, x, p.K, k, part);
-        int4_step<MR, 0, 0>(w.w, x, p.K, k + 2, part);
-      }
+    const int64_t end = ((group + 1) << w.group_shift) / Int4Panel::kK;
+    for (int64_t r = (group << w.group_shift) / Int4Panel::kK; r < end; ++r) {
+      unrolled([&](auto t) {
+        constexpr int T = decltype(t)::value;
+        __m256 a, b;
+        w.at<T>(r, a, b);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const __m256 xv = _mm256_broadcast_ss(x + m * p.ldx + r * Int4Panel::kK + T);
+          part[T % S][m][0] = _mm256_fmadd_ps(xv, a, part[T % S][m][0]);
+          part[T % S][m][1] = _mm256_fmadd_ps(xv, b, part[T % S][m][1]);
+        }
+      }, std::make_integer_sequence<int, Int4Panel::kK>{});
     }
     __m256 s0, s1;
     w.group_scale(group, s0, s1);
@@ -326,26 +351,36 @@ inline void rows(const GemmParams& p, const Int4Panel* panel_w, int64_t row0, in
 template <class Panel>
 void rows_any(const GemmParams& p, const Panel& w, int64_t row0, int64_t count, int64_t panel) {
   switch (count) {
-    case 1: return rows<1>(p, &w, row0, panel, p.K);
-    case 2: return rows<2>(p, &w, row0, panel, p.K);
-    case 3: return rows<3>(p, &w, row0, panel, p.K);
-    case 4: return rows<4>(p, &w, row0, panel, p.K);
-    case 5: return rows<5>(p, &w, row0, panel, p.K);
-    default: return rows<6>(p, &w, row0, panel, p.K);
+    case 1: return rows<1>(p, &w, row0, panel);
+    case 2: return rows<2>(p, &w, row0, panel);
+    case 3: return rows<3>(p, &w, row0, panel);
+    case 4: return rows<4>(p, &w, row0, panel);
+    case 5: return rows<5>(p, &w, row0, panel);
+    default: return rows<6>(p, &w, row0, panel);
   }
 }
 
+// The whole panel as floats (int4's group scales applied) into scratch [K, 16].
 template <class Panel>
-void decode(const Panel& w, int64_t K, float* out) {
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 a, b;
-    w(k, a, b);
-    _mm256_storeu_ps(out + k * kPanel, a);
-    _mm256_storeu_ps(out + k * kPanel + 8, b);
+void decode(const GemmParams& p, const Panel& w, float* out) {
+  const int64_t K = loop_k(p, Panel::kK);
+  for (int64_t r = 0; r < K / Panel::kK; ++r) {
+    unrolled([&](auto e) {
+      constexpr int E = decltype(e)::value;
+      const int64_t k = r * Panel::kK + E;
+      __m256 a, b;
+      w.template at<E>(r, a, b);
+      if constexpr (std::is_same_v<Panel, Int4Panel>) {
+        __m256 s0, s1;
+        w.group_scale(k >> w.group_shift, s0, s1);
+        a = _mm256_mul_ps(a, s0);
+        b = _mm256_mul_ps(b, s1);
+      }
+      _mm256_storeu_ps(out + k * kPanel, a);
+      _mm256_storeu_ps(out + k * kPanel + 8, b);
+    }, std::make_integer_sequence<int, Panel::kK>{});
   }
 }
-
-inline void decode(const Int4Panel& w, int64_t K, float* out) { w.decode(K, out); }
 
 // NP panels at w, or count < NP of them.
 template <int MR, int NP, class Panel>
@@ -353,7 +388,7 @@ void rows_of_panels(const GemmParams& p, const Panel* w, int64_t count, int64_t 
   if constexpr (NP > 1) {
     if (count < NP) return rows_of_panels<MR, NP - 1>(p, w, count, panel);
   }
-  rows<MR, NP>(p, w, 0, panel, p.K);
+  rows<MR, NP>(p, w, 0, panel);
 }
 
 // The direct path (M = MR rows): panels [begin, end), NP at a time. A core keeps more lines in
@@ -386,10 +421,10 @@ void run_panels(const GemmParams& p, const PanelAt& panel_at, int64_t begin, int
     return;
   }
   for (int64_t panel = begin; panel < end; ++panel) {
-    decode(panel_at(panel), p.K, scratch);
+    decode(p, panel_at(panel), scratch);
     const ScratchPanel decoded{scratch};
     int64_t row = 0;
-    for (; row + kDirectRows <= p.M; row += kDirectRows) rows<kDirectRows>(p, &decoded, row, panel, p.K);
+    for (; row + kDirectRows <= p.M; row += kDirectRows) rows<kDirectRows>(p, &decoded, row, panel);
     if (row < p.M) rows_any(p, decoded, row, p.M - row, panel);
   }
 }
@@ -397,7 +432,7 @@ void run_panels(const GemmParams& p, const PanelAt& panel_at, int64_t begin, int
 template <class Panel, class T>
 void run_dense(const GemmParams& p, int64_t begin, int64_t end, float* scratch) {
   const T* w = static_cast<const T*>(p.w);
-  const int64_t panel_elems = p.K * kPanel;
+  const int64_t panel_elems = p.panel_rows * Panel::kK * kPanel;
   run_panels(p, [&](int64_t i) { return Panel{w + i * panel_elems}; }, begin, end, scratch);
 }
 
@@ -410,7 +445,7 @@ void run(const GemmParams& p, int64_t begin, int64_t end, float* scratch) {
     case WeightFormat::Fp8E4M3: return run_dense<Fp8Panel, uint8_t>(p, begin, end, scratch);
     case WeightFormat::Int4: {
       const auto* w = static_cast<const uint8_t*>(p.w);
-      const int64_t stride = (p.n + kPanel - 1) / kPanel * kPanel, panel_bytes = p.K / 2 * kPanel;
+      const int64_t stride = padded_columns(p), panel_bytes = p.panel_rows * 4 * kPanel;
       auto panel_at = [&](int64_t i) {
         return Int4Panel{w + i * panel_bytes, p.group_scale + i * kPanel, stride, p.group_shift};
       };
@@ -419,26 +454,129 @@ void run(const GemmParams& p, int64_t begin, int64_t end, float* scratch) {
   }
 }
 
+// -- int8 activations ---------------------------------------------------------------------------
+
+// Sum over the 4 bytes of each 32-bit lane of u8 a times s8 b, as int32 (no saturation for the
+// ranges used here: pairs of |a| <= 128, |b| <= 127).
+inline __m256i dot4(__m256i a, __m256i b) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+}
+
+// Rows row0 .. row0 + MR of one panel: per kActBlock k, int32 sums of 8 columns per register,
+// then acc += float(sum - comp) * scale, scale = x's block scale (times int4's group scale).
+template <int MR, bool kInt4>
+void int8_rows(const GemmParams& p, const uint8_t* w, int64_t row0, int64_t panel) {
+  const int64_t blocks = round_up(p.K, kActBlock) / kActBlock, ls = p.ldxq / kActBlock;
+  const int64_t stride = padded_columns(p);
+  // int8: a stored row is 4 k of 16 columns (64 bytes); int4: 8 k of 16 columns (64 bytes).
+  constexpr int64_t kRowK = kInt4 ? kInt4K : kQuadK, kRowsPerBlock = kActBlock / kRowK;
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(static_cast<char>(0x88));
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    __m256i sum[MR][2];
+    for (int m = 0; m < MR; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
+    for (int64_t rr = 0; rr < kRowsPerBlock; ++rr) {
+      const int64_t r = blk * kRowsPerBlock + rr, k = r * kRowK;
+      const __m256i* row = reinterpret_cast<const __m256i*>(w + r * 4 * kPanel);
+      prefetch_ahead<64>(row, r);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(row + h);
+        if constexpr (kInt4) {
+          const __m256i u = _mm256_xor_si256(v, flip);  // q + 8, in [0, 15]
+          const __m256i lo = _mm256_and_si256(u, low), hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            const int8_t* xr = p.xq + (row0 + m) * p.ldxq + k;
+            int32_t x0, x1;
+            std::memcpy(&x0, xr, 4);
+            std::memcpy(&x1, xr + 4, 4);
+            // two s16 products of <= 2 * 15 * 127 each: their sum does not saturate
+            const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+            sum[m][h] = _mm256_add_epi32(sum[m][h], _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+          }
+        } else {
+          const __m256i mag = _mm256_abs_epi8(v);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            int32_t x0;
+            std::memcpy(&x0, p.xq + (row0 + m) * p.ldxq + k, 4);
+            sum[m][h] = _mm256_add_epi32(sum[m][h], dot4(mag, _mm256_sign_epi8(_mm256_set1_epi32(x0), v)));
+          }
+        }
+      }
+    }
+    __m256 g0 = _mm256_set1_ps(1.0f), g1 = g0;
+    if constexpr (kInt4) {
+      const float* gs = p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + panel * kPanel;
+      g0 = _mm256_loadu_ps(gs);
+      g1 = _mm256_loadu_ps(gs + 8);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = (row0 + m) * ls + blk;
+      const __m256i comp = _mm256_set1_epi32(p.xq_comp[at]);
+      const __m256 xs = _mm256_set1_ps(p.xq_scale[at]);
+      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[m][0], comp)), _mm256_mul_ps(xs, g0), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[m][1], comp)), _mm256_mul_ps(xs, g1), acc[m][1]);
+    }
+  }
+  finish<MR>(p, row0, panel, acc);
+}
+
+template <bool kInt4>
+void int8_run(const GemmParams& p, int64_t begin, int64_t end) {
+  const auto* w = static_cast<const uint8_t*>(p.w);
+  const int64_t panel_bytes = p.panel_rows * 4 * kPanel;
+  for (int64_t panel = begin; panel < end; ++panel) {
+    const uint8_t* pw = w + panel * panel_bytes;
+    int64_t row = 0;
+    for (; row + 4 <= p.M; row += 4) int8_rows<4, kInt4>(p, pw, row, panel);
+    switch (p.M - row) {
+      case 1: int8_rows<1, kInt4>(p, pw, row, panel); break;
+      case 2: int8_rows<2, kInt4>(p, pw, row, panel); break;
+      case 3: int8_rows<3, kInt4>(p, pw, row, panel); break;
+      default: break;
+    }
+  }
+}
+
+void run_int8(const GemmParams& p, int64_t begin, int64_t end) {
+  if (p.format == WeightFormat::Int4) return int8_run<true>(p, begin, end);
+  return int8_run<false>(p, begin, end);
+}
+
 #else  // DEFAULT: plain C++
 
+int8_t int4_at(const uint8_t* panel, int64_t k, int64_t j) {
+  const int64_t r = k / kInt4K, t = k % kInt4K;
+  const uint8_t byte = panel[(r * kPanel + j) * 4 + (t & 3)];
+  const int q = (t < 4 ? byte : byte >> 4) & 0x0f;
+  return static_cast<int8_t>(q >= 8 ? q - 16 : q);
+}
+
 float weight_at(const GemmParams& p, int64_t panel, int64_t k, int64_t j) {
-  const int64_t i = (panel * p.K + k) * kPanel + j;
   switch (p.format) {
-    case WeightFormat::Float: return static_cast<const float*>(p.w)[i];
-    case WeightFormat::BFloat16: return static_cast<const c10::BFloat16*>(p.w)[i];
-    case WeightFormat::Half: return static_cast<const c10::Half*>(p.w)[i];
-    case WeightFormat::Int8: return static_cast<const int8_t*>(p.w)[i];
+    case WeightFormat::Float: return static_cast<const float*>(p.w)[(panel * p.panel_rows + k) * kPanel + j];
+    case WeightFormat::Half: return static_cast<const c10::Half*>(p.w)[(panel * p.panel_rows + k) * kPanel + j];
+    case WeightFormat::BFloat16: {
+      const auto* w = static_cast<const c10::BFloat16*>(p.w) + panel * p.panel_rows * 2 * kPanel;
+      return w[(k / 2 * kPanel + j) * 2 + k % 2];
+    }
+    case WeightFormat::Int8: {
+      const auto* w = static_cast<const int8_t*>(p.w) + panel * p.panel_rows * 4 * kPanel;
+      return w[(k / 4 * kPanel + j) * 4 + k % 4];
+    }
     case WeightFormat::Fp8E4M3: {
-      const uint8_t v = static_cast<const uint8_t*>(p.w)[i];
+      const uint8_t v = static_cast<const uint8_t*>(p.w)[(panel * p.panel_rows + k) * kPanel + j];
       const uint16_t h = static_cast<uint16_t>(((v & 0x80) << 8) | ((v & 0x7f) << 7));
       return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
     }
     case WeightFormat::Int4: {
-      const uint8_t v = static_cast<const uint8_t*>(p.w)[(panel * p.K / 2 + k / 2) * kPanel + j];
-      const int64_t stride = (p.n + kPanel - 1) / kPanel * kPanel;
-      const float s = p.group_scale[(k >> p.group_shift) * stride + panel * kPanel + j];
-      const int q = (v >> (4 * (k & 1))) & 0x0f;
-      return static_cast<float>(q >= 8 ? q - 16 : q) * s;
+      const auto* w = static_cast<const uint8_t*>(p.w) + panel * p.panel_rows * 4 * kPanel;
+      const float s = p.group_scale[(k >> p.group_shift) * padded_columns(p) + panel * kPanel + j];
+      return static_cast<float>(int4_at(w, k, j)) * s;
     }
   }
   return 0.0f;
@@ -452,14 +590,8 @@ void run_panel(const GemmParams& p, int64_t panel, float* scratch) {
     const float bias = p.bias != nullptr ? p.bias[col0 + j] : 0.0f;
     for (int64_t m = 0; m < p.M; ++m) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < p.K; ++k) acc += p.x[m * p.K + k] * scratch[k];
-      const float y = acc * s + bias;
-      const int64_t at = m * p.n + col0 + j;
-      switch (p.out_type) {
-        case OutType::Float: static_cast<float*>(p.out)[at] = y; break;
-        case OutType::BFloat16: static_cast<c10::BFloat16*>(p.out)[at] = c10::BFloat16(y); break;
-        case OutType::Half: static_cast<c10::Half*>(p.out)[at] = c10::Half(y); break;
-      }
+      for (int64_t k = 0; k < p.K; ++k) acc += p.x[m * p.ldx + k] * scratch[k];
+      store_value(p, m * p.n + col0 + j, acc * s + bias);
     }
   }
 }
@@ -468,12 +600,69 @@ void run(const GemmParams& p, int64_t begin, int64_t end, float* scratch) {
   for (int64_t panel = begin; panel < end; ++panel) run_panel(p, panel, scratch);
 }
 
+// The int8-activation arithmetic in plain C++: exact integer sums per block, as the vector kernels.
+void run_int8(const GemmParams& p, int64_t begin, int64_t end) {
+  const int64_t blocks = round_up(p.K, kActBlock) / kActBlock, ls = p.ldxq / kActBlock;
+  const bool int4 = p.format == WeightFormat::Int4;
+  for (int64_t panel = begin; panel < end; ++panel) {
+    const int64_t col0 = panel * kPanel, cols = std::min(kPanel, p.n - col0);
+    const auto* w = static_cast<const uint8_t*>(p.w) + panel * p.panel_rows * 4 * kPanel;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float s = p.col_scale != nullptr ? p.col_scale[col0 + j] : 1.0f;
+      const float bias = p.bias != nullptr ? p.bias[col0 + j] : 0.0f;
+      for (int64_t m = 0; m < p.M; ++m) {
+        float acc = 0.0f;
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+          int32_t sum = 0;
+          for (int64_t k = blk * kActBlock; k < std::min(p.K, (blk + 1) * kActBlock); ++k) {
+            const int32_t q = int4 ? int4_at(w, k, j) : reinterpret_cast<const int8_t*>(w)[(k / 4 * kPanel + j) * 4 + k % 4];
+            sum += q * p.xq[m * p.ldxq + k];
+          }
+          const float g = int4 ? p.group_scale[((blk * kActBlock) >> p.group_shift) * padded_columns(p) + col0 + j] : 1.0f;
+          acc += static_cast<float>(sum) * (p.xq_scale[m * ls + blk] * g);
+        }
+        store_value(p, m * p.n + col0 + j, acc * s + bias);
+      }
+    }
+  }
+}
+
 #endif
 
 }  // namespace
 
-void gemm_panels(const GemmParams& p, int64_t panel_begin, int64_t panel_end, float* scratch) {
-  run(p, panel_begin, panel_end, scratch);
+void gemm_panels(const GemmParams& p, int64_t panel_begin, int64_t panel_end, void* scratch) {
+  run(p, panel_begin, panel_end, static_cast<float*>(scratch));
+}
+
+void gemm_int8_panels(const GemmParams& p, int64_t panel_begin, int64_t panel_end, void* scratch) {
+  run_int8(p, panel_begin, panel_end);
+}
+
+// x [M, K] (row stride ldx) -> xq [M, ldxq] int8 (zero past K), per kActBlock k one scale
+// (block max / 127, so |xq| <= 127) and comp = offset * the block's sum of xq: a kernel that reads
+// the weights as w + offset subtracts it.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int8_t* xq, int64_t ldxq,
+                   float* scale, int32_t* comp) {
+  const int64_t ls = ldxq / kActBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    int8_t* qr = xq + m * ldxq;
+    for (int64_t blk = 0; blk < ls; ++blk) {
+      const int64_t k0 = blk * kActBlock, k1 = std::min(K, k0 + kActBlock);
+      float amax = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int64_t k = k0; k < k0 + kActBlock; ++k) {
+        const int32_t q = k < k1 ? static_cast<int32_t>(std::nearbyint(xr[k] * inv)) : 0;
+        qr[k] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      scale[m * ls + blk] = amax / 127.0f;
+      comp[m * ls + blk] = offset * sum;
+    }
+  }
 }
 
 }  // namespace CPU_CAPABILITY

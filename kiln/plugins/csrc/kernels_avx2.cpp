@@ -1,7 +1,9 @@
 // The kernels for ATen's AVX2 capability (AVX2 + FMA + F16C): paged attention, selected at run time
-// by paged_attention.cpp, and the GEMM, which gemm.cpp also runs on AVX-512 CPUs. Built into the same library as the rest, so the target options are set for
-// this file only, here: cpp_extension has one set of flags for all sources. On other
-// architectures and compilers this file is empty and the DEFAULT kernel runs.
+// by paged_attention.cpp, and the GEMM's float and int8-activation kernels, which gemm.cpp also
+// runs on AVX-512 CPUs. Built into the same library as the rest, so the target options are set
+// for this file only, here: cpp_extension has one set of flags for all sources. On other
+// architectures and compilers the GEMM's AVX2 entry points forward to the DEFAULT ones (never
+// selected: cpu_features() reports no AVX2 there).
 #include "paged_attention_x86.h"
 
 #if KILN_X86_KERNELS
@@ -31,4 +33,16 @@
 #else
 #pragma GCC pop_options
 #endif
+#else
+#include "gemm.h"
+namespace kiln {
+namespace AVX2 {
+void gemm_panels(const GemmParams& p, int64_t b, int64_t e, void* s) { DEFAULT::gemm_panels(p, b, e, s); }
+void gemm_int8_panels(const GemmParams& p, int64_t b, int64_t e, void* s) { DEFAULT::gemm_int8_panels(p, b, e, s); }
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int8_t* xq, int64_t ldxq,
+                   float* scale, int32_t* comp) {
+  DEFAULT::quantize_rows(x, M, K, ldx, offset, xq, ldxq, scale, comp);
+}
+}  // namespace AVX2
+}  // namespace kiln
 #endif

@@ -1,0 +1,266 @@
+// The AVX-512 GEMM kernels: bf16 dot products (vdpbf16ps, AVX512_BF16) and int8 ones (vpdpbusd,
+// AVX512_VNNI). Built with this file's own target options (the library runs on any x86-64) and
+// called only where cpu_features() reports them (gemm.cpp).
+//
+// gemm_bf16_panels: x in bf16 (p.xb), weights as bf16 pair panels (gemm_avx512.h). One vdpbf16ps
+// multiplies 16 columns by one k pair of one row: 32 multiply-adds per instruction, where the float
+// kernels do 8 per FMA and first widen the weights.
+//  - Up to 4 rows of bf16 weights: read straight from the panels, several panels at once (streams,
+//    as the AVX2 kernel), with a software prefetch per line.
+//  - More rows, or other formats: each pair of panels is decoded once (bf16 weights need none) and
+//    register tiles of 8 rows x 2 panels run every row block over it, from L1/L2.
+// gemm_vnni_panels: x quantized to int8 (p.xq, blocks of kActBlock k), int8 or int4 weights. The
+// unsigned operand of vpdpbusd is the weight plus an offset (int8: w ^ 0x80 = w + 128; int4:
+// q ^ 8 = q + 8), so one instruction multiplies 16 columns by 4 k; the offset's excess,
+// offset * sum(xq) per block, comes precomputed with x (p.xq_comp).
+
+#include "gemm.h"
+#include "paged_attention_x86.h"
+
+#if KILN_X86_KERNELS
+// Standard and intrinsic headers before the target options: their inline code stays generic.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+// GCC 12 flags its own _mm512_undefined_* (a self-initialized variable) in many AVX-512 intrinsics.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")
+#endif
+
+#include "gemm_avx512.h"
+
+namespace kiln {
+namespace avx512 {
+namespace {
+
+constexpr int64_t kPrefetchBytes = 512;
+
+inline __m512 pair_dot(__m512 acc, __m512i w, const uint16_t* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, 4);
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(pair));
+}
+
+// acc[j][m] = sum over k pairs of rows row0 .. row0 + MR against NP bf16 pair panels. KU partial
+// sums per output (pair index mod KU), fixed per MR as in gemm_kernel.h's tile.
+template <int MR, int NP, bool Stream>
+inline void bf16_tile(const GemmParams& p, const uint16_t* const (&w)[NP], int64_t row0, int64_t pairs,
+                      __m512 (&acc)[NP][MR]) {
+  constexpr int KU = MR <= 2 ? 2 : 1;
+  __m512 part[KU][NP][MR];
+  for (int u = 0; u < KU; ++u)
+    for (int j = 0; j < NP; ++j)
+      for (int m = 0; m < MR; ++m) part[u][j][m] = _mm512_setzero_ps();
+  const uint16_t* x = p.xb + row0 * p.ldxb;
+  auto step = [&](int64_t r, int u) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      const uint16_t* row = w[j] + r * 2 * kPanel;
+      if constexpr (Stream) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i wv = _mm512_loadu_si512(row);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) part[u][j][m] = pair_dot(part[u][j][m], wv, x + m * p.ldxb + 2 * r);
+    }
+  };
+  int64_t r = 0;
+  for (; r + KU <= pairs; r += KU) {
+#pragma GCC unroll 2
+    for (int u = 0; u < KU; ++u) step(r + u, u);
+  }
+  for (; r < pairs; ++r) step(r, 0);
+  for (int j = 0; j < NP; ++j)
+    for (int m = 0; m < MR; ++m) {
+      acc[j][m] = part[0][j][m];
+      for (int u = 1; u < KU; ++u) acc[j][m] = _mm512_add_ps(acc[j][m], part[u][j][m]);
+    }
+}
+
+template <int MR, int NP, bool Stream>
+inline void bf16_rows(const GemmParams& p, const uint16_t* const (&w)[NP], int64_t row0, int64_t panel) {
+  __m512 acc[NP][MR];
+  bf16_tile<MR, NP, Stream>(p, w, row0, round_up(p.K, 2) / 2, acc);
+  for (int j = 0; j < NP; ++j) {
+    const Epilogue e = epilogue(p, panel + j);
+    for (int m = 0; m < MR; ++m) store_row(p, e, row0 + m, acc[j][m]);
+  }
+}
+
+template <int NP, bool Stream>
+void bf16_rows_any(const GemmParams& p, const uint16_t* const (&w)[NP], int64_t row0, int64_t count, int64_t panel) {
+  switch (count) {
+    case 1: return bf16_rows<1, NP, Stream>(p, w, row0, panel);
+    case 2: return bf16_rows<2, NP, Stream>(p, w, row0, panel);
+    case 3: return bf16_rows<3, NP, Stream>(p, w, row0, panel);
+    case 4: return bf16_rows<4, NP, Stream>(p, w, row0, panel);
+    case 5: return bf16_rows<5, NP, Stream>(p, w, row0, panel);
+    case 6: return bf16_rows<6, NP, Stream>(p, w, row0, panel);
+    case 7: return bf16_rows<7, NP, Stream>(p, w, row0, panel);
+    default: return bf16_rows<8, NP, Stream>(p, w, row0, panel);
+  }
+}
+
+// Small batches of bf16 weights: NP panels at a time straight from memory.
+template <int NP>
+void bf16_direct(const GemmParams& p, int64_t begin, int64_t end) {
+  const auto* base = static_cast<const uint16_t*>(p.w);
+  const int64_t panel_elems = p.panel_rows * 2 * kPanel;
+  int64_t panel = begin;
+  for (; panel + NP <= end; panel += NP) {
+    const uint16_t* w[NP];
+    for (int j = 0; j < NP; ++j) w[j] = base + (panel + j) * panel_elems;
+    bf16_rows_any<NP, true>(p, w, 0, p.M, panel);
+  }
+  for (; panel < end; ++panel) {
+    const uint16_t* w[1] = {base + panel * panel_elems};
+    bf16_rows_any<1, true>(p, w, 0, p.M, panel);
+  }
+}
+
+void bf16_blocked(const GemmParams& p, int64_t begin, int64_t end, uint16_t* scratch) {
+  const int64_t Kb = round_up(p.K, kBf16PadK);
+  for (int64_t panel = begin; panel < end; panel += 2) {
+    const bool two = panel + 1 < end;
+    const uint16_t* w0 = bf16_panel(p, panel, scratch);
+    if (two) {
+      const uint16_t* w[2] = {w0, bf16_panel(p, panel + 1, scratch + Kb * kPanel)};
+      for (int64_t row = 0; row < p.M; row += 8) bf16_rows_any<2, false>(p, w, row, std::min<int64_t>(8, p.M - row), panel);
+    } else {
+      const uint16_t* w[1] = {w0};
+      for (int64_t row = 0; row < p.M; row += 8) bf16_rows_any<1, false>(p, w, row, std::min<int64_t>(8, p.M - row), panel);
+    }
+  }
+}
+
+// -- int8 activations ---------------------------------------------------------------------------
+
+inline __m512i x_quad(const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, 4);
+  return _mm512_set1_epi32(quad);
+}
+
+// Rows row0 .. row0 + MR of NP panels (stored rows of 64 bytes: int8 4 k, int4 8 k of 16 columns).
+template <int MR, int NP, bool kInt4>
+void vnni_rows(const GemmParams& p, const uint8_t* const (&w)[NP], int64_t row0, int64_t panel) {
+  constexpr int64_t kRowK = kInt4 ? kInt4K : kQuadK, kRowsPerBlock = kActBlock / kRowK;
+  const int64_t blocks = round_up(p.K, kActBlock) / kActBlock, ls = p.ldxq / kActBlock, stride = round_up(p.n, kPanel);
+  __m512 acc[NP][MR];
+  for (int j = 0; j < NP; ++j)
+    for (int m = 0; m < MR; ++m) acc[j][m] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(kInt4 ? 0x88 : 0x80)), low = _mm512_set1_epi8(0x0f);
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    __m512i sum[NP][MR];
+    for (int j = 0; j < NP; ++j)
+      for (int m = 0; m < MR; ++m) sum[j][m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t rr = 0; rr < kRowsPerBlock; ++rr) {
+      const int64_t r = blk * kRowsPerBlock + rr, k = r * kRowK;
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+        const uint8_t* row = w[j] + r * 4 * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(row), flip);
+        if constexpr (kInt4) {
+          const __m512i lo = _mm512_and_si512(u, low), hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            const int8_t* xr = p.xq + (row0 + m) * p.ldxq + k;
+            sum[j][m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[j][m], lo, x_quad(xr)), hi, x_quad(xr + 4));
+          }
+        } else {
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m)
+            sum[j][m] = _mm512_dpbusd_epi32(sum[j][m], u, x_quad(p.xq + (row0 + m) * p.ldxq + k));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      __m512 g = _mm512_set1_ps(1.0f);
+      if constexpr (kInt4) g = _mm512_loadu_ps(p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + (panel + j) * kPanel);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const int64_t at = (row0 + m) * ls + blk;
+        const __m512i s = _mm512_sub_epi32(sum[j][m], _mm512_set1_epi32(p.xq_comp[at]));
+        acc[j][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(g, _mm512_set1_ps(p.xq_scale[at])), acc[j][m]);
+      }
+    }
+  }
+  for (int j = 0; j < NP; ++j) {
+    const Epilogue e = epilogue(p, panel + j);
+    for (int m = 0; m < MR; ++m) store_row(p, e, row0 + m, acc[j][m]);
+  }
+}
+
+template <int NP, bool kInt4>
+void vnni_rows_any(const GemmParams& p, const uint8_t* const (&w)[NP], int64_t row0, int64_t count, int64_t panel) {
+  switch (count) {
+    case 1: return vnni_rows<1, NP, kInt4>(p, w, row0, panel);
+    case 2: return vnni_rows<2, NP, kInt4>(p, w, row0, panel);
+    case 3: return vnni_rows<3, NP, kInt4>(p, w, row0, panel);
+    default: return vnni_rows<4, NP, kInt4>(p, w, row0, panel);
+  }
+}
+
+template <bool kInt4>
+void vnni_run(const GemmParams& p, int64_t begin, int64_t end) {
+  const auto* base = static_cast<const uint8_t*>(p.w);
+  const int64_t panel_bytes = p.panel_rows * 4 * kPanel;
+  int64_t panel = begin;
+  if (p.M == 1) {  // a GEMV: four streams
+    for (; panel + 4 <= end; panel += 4) {
+      const uint8_t* w[4];
+      for (int j = 0; j < 4; ++j) w[j] = base + (panel + j) * panel_bytes;
+      vnni_rows<1, 4, kInt4>(p, w, 0, panel);
+    }
+  }
+  for (; panel + 2 <= end; panel += 2) {
+    const uint8_t* w[2] = {base + panel * panel_bytes, base + (panel + 1) * panel_bytes};
+    for (int64_t row = 0; row < p.M; row += 4) vnni_rows_any<2, kInt4>(p, w, row, std::min<int64_t>(4, p.M - row), panel);
+  }
+  for (; panel < end; ++panel) {
+    const uint8_t* w[1] = {base + panel * panel_bytes};
+    for (int64_t row = 0; row < p.M; row += 4) vnni_rows_any<1, kInt4>(p, w, row, std::min<int64_t>(4, p.M - row), panel);
+  }
+}
+
+}  // namespace
+
+void gemm_bf16_panels(const GemmParams& p, int64_t begin, int64_t end, void* scratch) {
+  if (p.format == WeightFormat::BFloat16 && p.M <= 4) {
+    if (p.M == 1) return bf16_direct<4>(p, begin, end);
+    return bf16_direct<2>(p, begin, end);
+  }
+  bf16_blocked(p, begin, end, static_cast<uint16_t*>(scratch));
+}
+
+void gemm_vnni_panels(const GemmParams& p, int64_t begin, int64_t end, void* scratch) {
+  if (p.format == WeightFormat::Int4) return vnni_run<true>(p, begin, end);
+  vnni_run<false>(p, begin, end);
+}
+
+}  // namespace avx512
+}  // namespace kiln
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#else
+namespace kiln {
+namespace avx512 {  // never called: cpu_features() reports no AVX-512 here
+void gemm_bf16_panels(const GemmParams&, int64_t, int64_t, void*) {}
+void gemm_vnni_panels(const GemmParams&, int64_t, int64_t, void*) {}
+}  // namespace avx512
+}  // namespace kiln
+#endif

@@ -1,0 +1,225 @@
+"""GEMM tactics chosen by timing at engine build, as TensorRT chooses its tactics (and keeps a timing cache).
+
+For each distinct GEMM of a model (its n, K, weight format and group size) and each token-count
+bucket the runtime will see (1, 2, 4, ... up to max_num_tokens: decode, batched decode, prefill
+chunks), every kernel of `kiln_cpp::gemm` that runs on the build machine is timed on that shape:
+the plugin's float kernels (AVX2, portable), its bf16 ones (AVX-512-BF16, AMX), ATen's matmul on
+the unpacked weight (oneDNN/MKL, which use AVX-512-BF16 or AMX where present) and, when the build
+allows int8 activations, its integer kernels (AVX2, AVX-512-VNNI). The fastest per bucket goes into
+the layer (`PackedLinear.tactics`, a constant of the compiled graph) and into the engine's
+build_config (`gemm_tactics`, with the times), and the op runs it by the step's token count.
+
+Every kernel reads the same packed weight, so the choice costs no engine bytes. Kernels need CPU
+features; `build_config.cpu_features` lists what the chosen ones need. On a CPU without them the op
+runs a kernel that it has, with a warning (csrc/gemm.cpp), never an illegal instruction.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from kiln.plugins import cpp
+
+PORTABLE, ATEN, PORTABLE_INT8 = 1, 5, 8
+# Token counts above this are timed at it: every kernel's cost per token is flat past it (they
+# tile rows), and a prefill-sized GEMM of each candidate would make builds long.
+MAX_TIMED_TOKENS = 1024
+# A kernel more than this many times slower than the best at two buckets in a row is not timed at
+# larger ones (it only gets slower relative to the tiled kernels as the token count grows).
+PRUNE_RATIO = 4.0
+
+
+def buckets(max_num_tokens: int) -> list[int]:
+    """Upper bounds of the token-count buckets: powers of two up to MAX_TIMED_TOKENS, then max_num_tokens."""
+    out, m = [], 1
+    while m < min(max_num_tokens, MAX_TIMED_TOKENS + 1):
+        out.append(m)
+        m *= 2
+    return out + [max_num_tokens]
+
+
+def kernel_name(kernel: int) -> str:
+    cpp.load()
+    return torch.ops.kiln_cpp.gemm_kernel_name(kernel)
+
+
+def kernel_ids() -> dict[str, int]:
+    cpp.load()
+    out, i = {}, 0
+    while True:
+        try:
+            out[torch.ops.kiln_cpp.gemm_kernel_name(i)] = i
+        except RuntimeError:
+            return out
+        i += 1
+
+
+def features_needed(kernels) -> list[str]:
+    """The CPU features the kernels need (names as cpu_features())."""
+    cpp.load()
+    mask = 0
+    for k in kernels:
+        mask |= torch.ops.kiln_cpp.gemm_kernel_info(k)[0]
+    names = ["avx2", "avx512", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"]
+    return [n for i, n in enumerate(names) if mask >> i & 1]
+
+
+def cpu_features() -> list[str]:
+    cpp.load()
+    return [f for f in torch.ops.kiln_cpp.cpu_features().split(",") if f]
+
+
+def missing_features(build_config: dict) -> list[str]:
+    """Features an engine's tactics need that this CPU lacks (the op then falls back, with a warning)."""
+    have = set(cpu_features())
+    return [f for f in build_config.get("cpu_features") or [] if f not in have]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def candidates(weight: torch.Tensor, x_dtype: torch.dtype, int8_activations: bool) -> list[int]:
+    cpp.load()
+    ids = list(torch.ops.kiln_cpp.gemm_kernels(weight, x_dtype))
+    if not int8_activations:
+        ids = [k for k in ids if not torch.ops.kiln_cpp.gemm_kernel_info(k)[1]]
+    # The portable kernels are the fallback of CPUs without AVX2; a vector kernel always beats them.
+    vector = [k for k in ids if k not in (PORTABLE, PORTABLE_INT8, ATEN)]
+    return [k for k in ids if k not in (PORTABLE, PORTABLE_INT8)] if vector else ids
+
+
+class TimingCache:
+    """Measured microseconds per (machine, library, threads, GEMM, tokens, kernel), kept in a JSON
+    file between builds (`engine-build --timing_cache FILE`). A changed kernel source, CPU or thread
+    count gives new keys, so a stale measurement is never reused."""
+
+    def __init__(self, path: str | os.PathLike | None):
+        self.path = Path(path) if path else None
+        self.entries: dict[str, float] = {}
+        self.hits = self.misses = 0
+        if self.path and self.path.is_file():
+            try:
+                data = json.loads(self.path.read_text())
+                self.entries = {k: float(v) for k, v in data.get("entries", {}).items()}
+            except (ValueError, AttributeError, TypeError) as e:
+                from kiln.config import ConfigError
+
+                raise ConfigError(f"timing cache {self.path} is not a kiln timing cache ({e}); "
+                                  f"delete it or pass another file") from None
+        self.prefix = f"{cpu_model()}|{','.join(cpu_features())}|{cpp._key()}|{torch.get_num_threads()}t"
+
+    def get(self, key: str, kernels: list[int], measure) -> dict[int, float]:
+        """Microseconds per kernel at `key`: from the cache, measure(missing kernels) for the rest."""
+        full = {k: f"{self.prefix}|{key}|{kernel_name(k)}" for k in kernels}
+        missing = [k for k in kernels if full[k] not in self.entries]
+        self.hits += len(kernels) - len(missing)
+        self.misses += len(missing)
+        if missing:
+            for k, us in measure(missing).items():
+                self.entries[full[k]] = us
+        return {k: self.entries[full[k]] for k in kernels}
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"version": 1, "entries": self.entries}, indent=0, sort_keys=True) + "\n")
+        os.replace(tmp, self.path)
+
+
+def _time_us(layer, m: int, kernels: list[int], x_dtype: torch.dtype, budget_s: float = 0.05) -> dict[int, float]:
+    """Microseconds per call of layer's GEMM at m tokens on each kernel: the fastest single call of
+    rounds that take the kernels in turn. A shared machine's noise (a descheduled thread, another
+    process's cache traffic) only ever slows a call down, and taking turns keeps a slow minute from
+    landing on one kernel."""
+    from kiln.plugins import gemm
+
+    x = torch.randn(m, layer.k, generator=torch.Generator().manual_seed(m)).to(x_dtype)
+
+    def call(kernel):
+        start = time.perf_counter()
+        gemm.gemm(x, layer.weight, layer.scale, layer.bias, layer.n, layer.group_size, layer.out_float,
+                  (1 << 62, kernel))
+        return time.perf_counter() - start
+
+    best = {k: min(call(k), call(k)) for k in kernels}  # the first call of each warms it up
+    start, rounds = time.perf_counter(), 0
+    while rounds < 3 or (rounds < 50 and time.perf_counter() - start < budget_s):
+        for k in kernels:
+            best[k] = min(best[k], call(k))
+        rounds += 1
+    return {k: t * 1e6 for k, t in best.items()}
+
+
+def gemm_key(layer, x_dtype: torch.dtype) -> str:
+    w = layer.weight
+    return (f"n{layer.n}_k{layer.k}_{str(w.dtype).removeprefix('torch.')}"
+            f"{'_g' + str(layer.group_size) if layer.group_size else ''}"
+            f"{'_f32out' if layer.out_float else ''}_x{str(x_dtype).removeprefix('torch.')}")
+
+
+def select(layers: dict[str, object], x_dtype: torch.dtype, max_num_tokens: int, int8_activations: bool,
+           cache: TimingCache, log=print) -> dict:
+    """Times the candidates of each distinct GEMM in `layers` (name -> PackedLinear) per bucket,
+    sets each layer's tactics, and returns build_config's gemm_tactics table."""
+    by_key: dict[str, list] = {}
+    for name, layer in layers.items():
+        by_key.setdefault(gemm_key(layer, x_dtype), []).append((name, layer))
+    table = {}
+    bounds = buckets(max_num_tokens)
+    for key, members in by_key.items():
+        layer = members[0][1]
+        alive = candidates(layer.weight, x_dtype, int8_activations)
+        rows, pairs, behind = [], [], set()
+        for bound in bounds:
+            m = min(bound, MAX_TIMED_TOKENS)
+            times = cache.get(f"{key}|m{m}", alive, lambda kernels: _time_us(layer, m, kernels, x_dtype))
+            best = min(times, key=times.get)
+            slow = {kern for kern in alive if times[kern] > PRUNE_RATIO * times[best]}
+            alive, behind = [kern for kern in alive if kern not in slow & behind], slow
+            rows.append({"m_max": bound, "timed_at": m, "kernel": kernel_name(best),
+                         "us": {kernel_name(k): round(t, 1) for k, t in times.items()}})
+            pairs += [bound, best]
+        # adjacent buckets with one winner become one
+        merged = []
+        for i in range(0, len(pairs), 2):
+            if merged and merged[-1] == pairs[i + 1]:
+                merged[-2] = pairs[i]
+            else:
+                merged += pairs[i:i + 2]
+        for _, member in members:
+            member.tactics = tuple(merged)
+        table[key] = {"layers": len(members), "buckets": rows}
+    return table
+
+
+def format_table(table: dict) -> str:
+    """The tactic table engine-build prints: per GEMM, the winner and its time per bucket."""
+    lines = []
+    for key, entry in table.items():
+        lines.append(f"{key} ({entry['layers']} layer{'s' if entry['layers'] > 1 else ''}):")
+        for row in entry["buckets"]:
+            others = ", ".join(f"{k} {v:g}" for k, v in sorted(row["us"].items(), key=lambda kv: kv[1])
+                               if k != row["kernel"])
+            at = f" (timed at {row['timed_at']})" if row["timed_at"] != row["m_max"] else ""
+            lines.append(f"  M <= {row['m_max']:>5}: {row['kernel']:<12} {row['us'][row['kernel']]:>10.1f} us{at}"
+                         + (f"   ({others})" if others else ""))
+    return "\n".join(lines)
+
+
+def kernels_of(table: dict) -> set[int]:
+    ids = kernel_ids()
+    return {ids[row["kernel"]] for entry in table.values() for row in entry["buckets"]}

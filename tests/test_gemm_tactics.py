@@ -1,0 +1,123 @@
+"""GEMM tactics timed at engine build (kiln.plugins.tactics): the table engine-build records and
+prints, the timing cache, engines moved between CPUs with different instruction sets (kernels
+capped by KILN_CPU_ISA in a subprocess), int8 activations and the quantized lm_head."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.build.builder import build_engine
+from kiln.config import BuildConfig, ConfigError
+from kiln.plugins import tactics
+
+from test_gemm import assert_same_greedy
+from tiny_models import PROMPTS
+
+BUILD = dict(max_batch_size=8, max_input_len=128, max_seq_len=192, max_num_tokens=256, tokens_per_block=8,
+             backend="eager")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _build(ckpt, out, log=None, **overrides):
+    build = BuildConfig(**{**BUILD, **overrides})
+    build.plugin_config["gemm_plugin"] = "cpp"
+    build_engine(ckpt, out, build, log=log or (lambda *_: None))
+    return json.loads((out / "config.json").read_text())["build_config"]
+
+
+def _generate(engine_dir, env=None):
+    """Greedy tokens and top log-probs, in this process or (env) in a subprocess with that environment."""
+    if env is None:
+        outs = LLM(engine_dir).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], ""
+    script = ("import json, sys; sys.path.insert(0, 'tests'); import test_gemm_tactics as t\n"
+              f"tokens, lps, _ = t._generate({str(engine_dir)!r})\n"
+              "print(json.dumps([tokens, [[{str(k): v for k, v in d.items()} for d in s] for s in lps]]))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens, lps = json.loads(proc.stdout.strip().splitlines()[-1])
+    return tokens, [[{int(k): v for k, v in d.items()} for d in s] for s in lps], proc.stderr
+
+
+def test_build_records_prints_and_caches_tactics(checkpoint, tmp_path):
+    ckpt, cache = checkpoint("llama", "bfloat16"), tmp_path / "timing.json"
+    lines = []
+    config = _build(ckpt, tmp_path / "a", log=lines.append, timing_cache=str(cache))
+    table, buckets = config["gemm_tactics"], tactics.buckets(BUILD["max_num_tokens"])
+    # qkv, dense, gate_up, proj and the lm_head (float32 logits): one entry per distinct GEMM
+    assert len(table) == 5 and sum(e["layers"] for e in table.values()) == 4 * 2 + 1
+    names = set(tactics.kernel_ids())
+    for entry in table.values():
+        assert [row["m_max"] for row in entry["buckets"]] == buckets
+        for row in entry["buckets"]:
+            assert row["kernel"] in names and row["us"][row["kernel"]] == min(row["us"].values())
+    assert set(config["cpu_features"]) <= set(tactics.cpu_features())
+    printed = "\n".join(lines)
+    assert "GEMM tactics" in printed and "M <=   256:" in printed and "the engine's kernels need" in printed
+    assert cache.is_file()
+    lines.clear()
+    again = _build(ckpt, tmp_path / "b", log=lines.append, timing_cache=str(cache))
+    assert "(0 measured," in "\n".join(lines)
+    assert again["gemm_tactics"] == table
+
+
+def test_bad_timing_cache_and_lm_head_without_plugin(checkpoint, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="is not a kiln timing cache"):
+        _build(checkpoint("llama", "bfloat16"), tmp_path / "e", timing_cache=str(bad))
+    build = BuildConfig(**BUILD, quantize_lm_head=True)
+    with pytest.raises(ConfigError, match="--quantize_lm_head needs the C\\+\\+ GEMM plugin"):
+        build_engine(checkpoint("llama", "bfloat16"), tmp_path / "f", build, log=lambda *_: None)
+
+
+def test_engines_move_between_instruction_sets(checkpoint, tmp_path):
+    """An engine timed here runs where its kernels are missing (KILN_CPU_ISA=avx2: no AVX-512 / AMX)
+    through the fallback, and one timed on such a CPU runs here; both generate the same tokens."""
+    if "avx2" not in tactics.cpu_features():
+        pytest.skip("this CPU lacks avx2")
+    ckpt = checkpoint("llama", "bfloat16")
+    here = _build(ckpt, tmp_path / "here")
+    tokens, lps, _ = _generate(tmp_path / "here")
+    moved, moved_lps, stderr = _generate(tmp_path / "here", {"KILN_CPU_ISA": "avx2"})
+    assert_same_greedy(moved, tokens, lps)
+    if set(here["cpu_features"]) - {"avx2"}:
+        assert "which this CPU lacks; running" in stderr
+    script = ("import sys; sys.path.insert(0, 'tests'); import test_gemm_tactics as t\n"
+              f"print(t._build({str(ckpt)!r}, __import__('pathlib').Path({str(tmp_path / 'avx2')!r}))['cpu_features'])\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "KILN_CPU_ISA": "avx2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] in ("['avx2']", "[]")
+    back, _, _ = _generate(tmp_path / "avx2")
+    assert_same_greedy(back, tokens, lps)
+
+
+def test_int8_activations_and_quantized_lm_head(hf_model, tmp_path):
+    """An int4 (RTN) engine with int8 activations allowed and a quantized lm_head: recorded in the
+    config, a smaller engine, and the float-activation engine's tokens up to near ties."""
+    from kiln.convert.cli import convert_checkpoint
+    from kiln.convert.quantize.pipeline import QuantOptions
+
+    ckpt = convert_checkpoint(hf_model("llama"), tmp_path / "ckpt", dtype="bfloat16",
+                              quant=QuantOptions("int4_wo", None, 32, eval_size=0))
+    plain = _build(ckpt, tmp_path / "plain")
+    fast = _build(ckpt, tmp_path / "fast", int8_activations=True, quantize_lm_head=True)
+    assert fast["int8_activations"] and fast["quantize_lm_head"] and not plain["int8_activations"]
+    head = next(e for k, e in fast["gemm_tactics"].items() if "_f32out" in k)
+    assert next(k for k in fast["gemm_tactics"] if "_f32out" in k).split("_")[2] == "uint8"  # int4 lm_head
+    int8_kernels = {"avx2_int8", "avx512_vnni", "portable_int8"}
+    assert any(set(row["us"]) & int8_kernels for row in head["buckets"])  # int8 kernels were candidates
+    assert not any(set(row["us"]) & int8_kernels for e in plain["gemm_tactics"].values() for row in e["buckets"])
+    tokens, lps, _ = _generate(tmp_path / "plain")
+    got, _, _ = _generate(tmp_path / "fast")
+    # int4 lm_head rounding moves logits more than int8 activations do: compare loosely, per step
+    agree = sum(g == w for gs, ws in zip(got, tokens) for g, w in zip(gs, ws)) / sum(len(w) for w in tokens)
+    assert agree >= 0.5, (got, tokens)
+    size = lambda d: sum(f.stat().st_size for f in d.iterdir())  # noqa: E731
+    assert size(tmp_path / "fast") < size(tmp_path / "plain") + 384 * 64 * 2  # + the tied embedding's own table

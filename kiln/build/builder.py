@@ -105,7 +105,8 @@ def _record_tactics(build: BuildConfig, ranks: list, log) -> None:
     build.cpu_features = sorted(set().union(*(tactics.features_needed(tactics.kernels_of(t)) for t in tables)))
     build.build_cpu = f"{tactics.cpu_model()} ({','.join(tactics.cpu_features())})"
     log(f"GEMM tactics, {torch.get_num_threads()} threads, {build.build_cpu}:\n{tactics.format_table(table)}")
-    log(f"timed GEMM tactics in {sum(r.tactic_seconds for r in ranks):.1f}s; the engine's kernels need: "
+    log(f"timed GEMM tactics in {sum(r.tactic_seconds for r in ranks):.1f}s ({sum(r.tactics_measured for r in ranks)} "
+        f"measured, {sum(r.tactics_cached for r in ranks)} from the timing cache); the engine's kernels need: "
         f"{', '.join(build.cpu_features) or 'nothing beyond x86-64'}")
 
 

@@ -26,6 +26,8 @@ class RankBuild:
     peak_rss_mb: float  # of the process that built it (with workers == 1: every rank built so far)
     gemm_tactics: dict = field(default_factory=dict)  # kiln.plugins.tactics.select's table, if timed
     tactic_seconds: float = 0.0
+    tactics_measured: int = 0  # GEMM timings run, and those the timing cache had
+    tactics_cached: int = 0
 
 
 def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildConfig, rank: int,
@@ -37,14 +39,14 @@ def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildC
 
     start = time.time()
     timing = build.plugin_config["gemm_plugin"] == "cpp" and build.tactic_timing
-    table, tactic_seconds = {}, 0.0
+    table, tactic_seconds, cache = {}, 0.0, None
     with progress(total=4 if timing else 3, desc=f"rank {rank}", disable=not show_progress) as bar:
         weights = load_rank_weights(checkpoint_dir, pretrained, rank)
         model = LlamaForCausalLM(pretrained, weights, rank, build.plugin_config, build.quantize_lm_head).eval()
         bar.update(1)
         if timing:
             timed = time.time()
-            table = time_tactics(model, pretrained, build)
+            table, cache = time_tactics(model, pretrained, build)
             tactic_seconds = time.time() - timed
             bar.update(1)
         program = export(model, pretrained, build, rank)
@@ -52,12 +54,13 @@ def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildC
         bar.update(1)
         backends.COMPILERS[build.backend](program, path, build.max_autotune)
         bar.update(1)
-    return RankBuild(rank, time.time() - start, own_peak_rss_mb(), table, tactic_seconds)
+    return RankBuild(rank, time.time() - start, own_peak_rss_mb(), table, tactic_seconds,
+                     cache.misses if cache else 0, cache.hits if cache else 0)
 
 
-def time_tactics(model, pretrained: PretrainedConfig, build: BuildConfig) -> dict:
-    """Times the GEMM kernels of the rank's packed layers (kiln.plugins.tactics), sets each layer's
-    tactics before export bakes them in, and returns the table (measurements go to the timing cache)."""
+def time_tactics(model, pretrained: PretrainedConfig, build: BuildConfig):
+    """Times the GEMM kernels of the rank's packed layers (kiln.plugins.tactics) and sets each
+    layer's tactics before export bakes them in: the table, and the timing cache it went through."""
     import torch
 
     from kiln.config import torch_dtype
@@ -70,7 +73,7 @@ def time_tactics(model, pretrained: PretrainedConfig, build: BuildConfig) -> dic
         table = tactics.select(layers, torch_dtype(pretrained.dtype), build.max_num_tokens, build.int8_activations,
                                cache)
     cache.save()
-    return table
+    return table, cache
 
 
 def own_peak_rss_mb() -> float:

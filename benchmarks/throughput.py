@@ -1,32 +1,42 @@
-"""Offline generation throughput: Kiln against HF transformers `generate` on the same weights, same run.
+"""Offline generation throughput: Kiln against HF transformers `generate` (and llama.cpp) on the same weights, same run.
 
 By default it makes a random-weight model of SmolLM-135M's shape (hidden 576, 30 layers, 9 heads,
 3 KV heads, intermediate 1536, vocab 49152, tied embeddings), converts and builds it, then measures
   - decode tokens/s at each --batch size (prompts of --input_len tokens, --output_len new tokens),
   - prefill tokens/s of one --prefill_len prompt,
 for Kiln and for HF, and prints the ratios; and how long loading the engine took, and what it wrote.
-Prompts are random token ids of equal length, so HF's batched generate needs no padding.
+Prompts are random token ids of equal length, so HF's batched generate needs no padding. It prints
+the CPU and its ISA flags first.
 
-With --tp N / --pp M (or --parallel TPxPP ...) it also builds those multi-rank engines of the same
-weights and measures each against the single-rank engine in the same run, with the cost of one
-all-reduce of the hidden state (shared memory and gloo, benchmarks/all_reduce.py) and each rank's
-build time and peak RSS. --shape llama-1b uses Llama-3.2-1B's shape instead of SmolLM-135M's, and
---build_only stops after the builds.
+--formats adds Kiln's weight-only int8 / int4 engines of the same weights (RTN, --group_size);
+--llama_cpp measures llama.cpp at bf16, q8_0 and q4_0 on the same weights (benchmarks/llama_cpp_bench.py
+says how to install it); one table then lists them all, a row per format.
+
+With --tp N / --pp M (or --parallel TPxPP ...) it also builds those multi-rank engines of each format
+and measures each against its single-rank engine in the same run (every engine's decode timed from the
+first token to the last finish; HF is not measured then), with the cost of one all-reduce of the hidden
+state (shared memory and gloo, benchmarks/all_reduce.py) and each rank's build time and peak RSS (tp
+must divide the KV heads: 3 for SmolLM-135M, 8 for llama-1b).
+--shape llama-1b uses Llama-3.2-1B's shape instead of SmolLM-135M's, and --build_only stops after the builds.
 
   python benchmarks/throughput.py --batch 1 16 --output_len 128 --json out.json
-  python benchmarks/throughput.py --tp 2 --pp 2 --skip_hf --long_context 0
-  python benchmarks/throughput.py --shape llama-1b --tp 2 --build_only --skip_hf
+  python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --llama_cpp --int8_activations --batch 1 16
+  python benchmarks/throughput.py --tp 3 --pp 2 --long_context 0
+  python benchmarks/throughput.py --shape llama-1b --tp 2 --build_only
 """
 import argparse
 import json
 import os
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from kiln.utils import cpu_summary
+
+cpu_banner = cpu_summary  # the name roofline.py and quant.py print it by
 
 SMOLLM_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -175,6 +185,22 @@ def mixed_step(engine, vocab, prefill_len=512, num_decodes=15, input_len=128, re
     return median(mixed), median(prefill), median(decode)
 
 
+def llama_cpp_results(hf_dir, work, args, vocab):
+    import llama_cpp_bench as lcb
+
+    out = {}
+    longest = max(args.input_len + args.output_len, args.prefill_len) + 8
+    for kind, path in lcb.gguf_files(hf_dir, work / "llama_cpp").items():
+        model = lcb.LlamaCpp(path, torch.get_num_threads(), max(args.batch), longest)
+        decode = {b: max(model.decode(prompts(b, args.input_len, vocab), args.output_len - 1)
+                         for _ in range(args.repeats)) for b in args.batch}
+        pre = args.prefill_len / min(model.prefill(prompts(1, args.prefill_len, vocab, seed=1)[0]) for _ in range(3))
+        model.close()
+        out[kind] = {"decode": decode, "prefill": pre}
+        print(f"llama.cpp {kind}: {out[kind]}", file=sys.stderr)
+    return out
+
+
 def mapping(text: str) -> tuple[int, int]:
     tp, _, pp = text.partition("x")
     return int(tp), int(pp or 1)
@@ -185,7 +211,7 @@ def main():
     ap.add_argument("--hf_dir", type=Path, help="HF model dir to use instead of a random one of --shape")
     ap.add_argument("--shape", choices=list(SHAPES), default="smollm-135m", help="the random model's shape")
     ap.add_argument("--work_dir", type=Path, default=Path("bench_out/throughput"),
-                    help="where the model, checkpoint and engine are kept (reused when present)")
+                    help="where the model, checkpoints and engines are kept (reused when present)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--backend", default="aoti", choices=["aoti", "eager"])
     ap.add_argument("--max_autotune", action=argparse.BooleanOptionalAction, default=None,
@@ -194,7 +220,14 @@ def main():
                     help="paged attention traced inline or the C++ plugin (default: engine-build's)")
     ap.add_argument("--gemm", choices=["inline", "cpp"], default=None,
                     help="GEMMs on ATen / Inductor or the C++ GEMM plugin (default: engine-build's)")
-    ap.add_argument("--rebuild", action="store_true", help="rebuild the engine even if one exists")
+    ap.add_argument("--formats", nargs="+", default=["bf16"], choices=["bf16", "int8_wo", "int4_wo"],
+                    help="Kiln engines to measure: bf16 is the --dtype one; int8_wo / int4_wo weight-only (RTN)")
+    ap.add_argument("--group_size", type=int, default=32, help="int4 group size (32: llama.cpp's q4_0 block)")
+    ap.add_argument("--int8_activations", action="store_true",
+                    help="build the int8/int4 engines with engine-build --int8_activations")
+    ap.add_argument("--quantize_lm_head", action="store_true", help="engine-build --quantize_lm_head")
+    ap.add_argument("--timing_cache", help="engine-build --timing_cache FILE")
+    ap.add_argument("--rebuild", action="store_true", help="rebuild the engines even if they exist")
     ap.add_argument("--tp", type=int, default=None, help="also measure a tensor-parallel engine of this size")
     ap.add_argument("--pp", type=int, default=None, help="also measure a pipeline-parallel engine of this size")
     ap.add_argument("--parallel", type=mapping, nargs="*", default=[],
@@ -215,6 +248,8 @@ def main():
                     help="time each decode this many times, Kiln and HF alike, and keep the fastest "
                          "(a shared machine's noise only ever slows a run down)")
     ap.add_argument("--skip_hf", action="store_true")
+    ap.add_argument("--llama_cpp", action="store_true",
+                    help="also measure llama.cpp (llama-cpp-python built from source) at bf16, q8_0, q4_0")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
 
@@ -224,12 +259,14 @@ def main():
     from kiln.build.builder import build_engine
     from kiln.config import BuildConfig
     from kiln.convert.cli import convert_checkpoint
-    from kiln.utils import cpu_summary
+    from kiln.convert.quantize.pipeline import QuantOptions
 
-    print(cpu_summary(), file=sys.stderr)
-    print(f"load average at the start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", file=sys.stderr)
+    sys.path.insert(0, str(Path(__file__).parent))  # roofline, all_reduce, llama_cpp_bench
+    print(cpu_summary())
+    print(f"load average at the start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     parallel = list(dict.fromkeys(args.parallel + ([(args.tp, 1)] if args.tp else []) + ([(1, args.pp)] if args.pp else [])))
     parallel = [m for m in parallel if m != (1, 1)]
+    args.formats = list(dict.fromkeys(args.formats))
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -237,68 +274,89 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     hf_dir = args.hf_dir or make_model(work / ("hf" if args.shape == "smollm-135m" else f"hf_{args.shape}"), dtype,
                                        SHAPES[args.shape])
-    suffix = {None: "", True: "_autotune", False: "_noautotune"}[args.max_autotune]
-    if args.attention:
-        suffix += f"_{args.attention}"
-    if args.gemm:
-        suffix += f"_gemm{args.gemm}"
-    if args.shape != "smollm-135m" and not args.hf_dir:
-        suffix += f"_{args.shape}"
+    shape = f"_{args.shape}" if args.shape != "smollm-135m" and not args.hf_dir else ""
+    options = {None: "", True: "_autotune", False: "_noautotune"}[args.max_autotune]
+    options += (f"_{args.attention}" if args.attention else "") + (f"_gemm{args.gemm}" if args.gemm else "")
+    options += "_qhead" if args.quantize_lm_head else ""
     max_batch = max(args.batch)
+    quantized = lambda fmt: fmt not in ("bf16", args.dtype)  # noqa: E731
+    name = lambda fmt: fmt if quantized(fmt) else args.dtype  # noqa: E731
     builds = {}
 
-    def engine_for(tp: int, pp: int) -> Path:
+    def engine_for(fmt: str, tp: int, pp: int) -> Path:
+        """The engine of this format and mapping, converted and built unless it is there already."""
+        weights = args.dtype + shape + (f"_{fmt}_g{args.group_size}" if quantized(fmt) else "")
         label = "" if (tp, pp) == (1, 1) else f"_tp{tp}pp{pp}"
-        engine_dir = work / f"engine_{args.backend}_{args.dtype}{suffix}{label}"
-        if args.rebuild or not (engine_dir / "config.json").exists():
-            ckpt = convert_checkpoint(hf_dir, work / f"ckpt_{args.dtype}{suffix}{label}", dtype=args.dtype,
-                                      tp_size=tp, pp_size=pp)
-            longest = max(args.input_len, args.prefill_len, args.long_context)
-            build = BuildConfig(max_batch_size=max(max_batch, 2), max_input_len=longest,
-                                max_seq_len=max(args.input_len + args.output_len, longest + 64),
-                                max_num_tokens=max(max_batch * args.input_len, longest),
-                                tokens_per_block=32, backend=args.backend, max_autotune=args.max_autotune)
-            if args.attention:
-                build.plugin_config["gpt_attention_plugin"] = args.attention
-            if args.gemm:
-                build.plugin_config["gemm_plugin"] = args.gemm
-            ranks = []
-            start = time.perf_counter()
-            build_engine(ckpt, engine_dir, build, workers=args.build_workers or tp * pp,
-                         log=lambda m: (print(m, file=sys.stderr), ranks.append(m) if m.startswith("rank ") else None))
-            builds[(tp, pp)] = {"seconds": time.perf_counter() - start, "ranks": ranks,
-                                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        int8_act = args.int8_activations and quantized(fmt)
+        engine_dir = work / f"engine_{args.backend}_{weights}{options}{'_int8act' if int8_act else ''}{label}"
+        if not args.rebuild and (engine_dir / "config.json").exists():
+            return engine_dir
+        ckpt = work / f"ckpt_{weights}{label}"
+        if not (ckpt / "config.json").exists():
+            quant = QuantOptions(qformat=fmt, group_size=args.group_size) if quantized(fmt) else None  # RTN
+            convert_checkpoint(hf_dir, ckpt, dtype=args.dtype, tp_size=tp, pp_size=pp, quant=quant)
+        longest = max(args.input_len, args.prefill_len, args.long_context)
+        build = BuildConfig(max_batch_size=max(max_batch, 2), max_input_len=longest,
+                            max_seq_len=max(args.input_len + args.output_len, longest + 64),
+                            max_num_tokens=max(max_batch * args.input_len, longest),
+                            tokens_per_block=32, backend=args.backend, max_autotune=args.max_autotune,
+                            timing_cache=args.timing_cache, int8_activations=int8_act,
+                            quantize_lm_head=args.quantize_lm_head)
+        if args.attention:
+            build.plugin_config["gpt_attention_plugin"] = args.attention
+        if args.gemm:
+            build.plugin_config["gemm_plugin"] = args.gemm
+        ranks = []
+        start = time.perf_counter()
+        build_engine(ckpt, engine_dir, build, workers=args.build_workers or tp * pp,
+                     log=lambda m: (print(m, file=sys.stderr), ranks.append(m) if m.startswith("rank ") else None))
+        builds[(fmt, (tp, pp))] = {"seconds": time.perf_counter() - start, "ranks": ranks,
+                                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         return engine_dir
 
-    engine_dir = engine_for(1, 1)
-    parallel_dirs = {m: engine_for(*m) for m in parallel}
-    build_seconds = builds.get((1, 1), {}).get("seconds")
-    build_rss_mb = builds.get((1, 1), {}).get("peak_rss_mb")
+    engines = {(fmt, m): engine_for(fmt, *m) for fmt in args.formats for m in [(1, 1), *parallel]}
     if args.build_only:
-        for (tp, pp), b in builds.items():
-            print(f"engine build tp {tp} x pp {pp}: {b['seconds']:.1f}s" + "".join(f"\n  {r}" for r in b["ranks"]))
+        for (fmt, (tp, pp)), path in engines.items():
+            b = builds.get((fmt, (tp, pp)))
+            print(f"engine {name(fmt)} tp {tp} x pp {pp}: {path}, " + (f"built in {b['seconds']:.1f}s" + "".join(
+                f"\n  {r}" for r in b["ranks"]) if b else "already built"))
         return
 
+    first = (args.formats[0], (1, 1))
+    engine_dir = engines[first]
     written = bytes_written()
     start = time.perf_counter()
     llm = LLM(engine_dir)
     load = {"seconds": time.perf_counter() - start, "mb_written": (bytes_written() - written) / 2**20
             if written is not None else None}
     vocab = llm.llm_engine.model_config.vocab_size
-    results = {"engine": str(engine_dir), "build_seconds": build_seconds, "load": load,
-               "threads": torch.get_num_threads(), "decode": {}, "prefill": {}}
-    hf = None
-    if not args.skip_hf:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
-    for batch in args.batch if not parallel else []:  # with --parallel the comparison below measures it
-        ours = max(time_kiln(llm, batch, args.input_len, args.output_len, vocab) for _ in range(args.repeats))
-        theirs = max(time_hf(hf, batch, args.input_len, args.output_len, vocab)
-                     for _ in range(args.repeats)) if hf else None
-        results["decode"][batch] = {"kiln": ours, "hf": theirs}
-    if not parallel:
-        ours = prefill_kiln(llm, args.prefill_len, vocab)
-        theirs = prefill_hf(hf, args.prefill_len, vocab) if hf else None
-        results["prefill"][args.prefill_len] = {"kiln": ours, "hf": theirs}
+    build_seconds = builds.get(first, {}).get("seconds")
+    results = {"cpu": cpu_summary(), "engine": str(engine_dir), "build_seconds": build_seconds, "load": load,
+               "threads": torch.get_num_threads(), "decode": {}, "prefill": {}, "kiln": {}}
+
+    def measure(engine, key) -> dict:
+        """One engine's decode tokens/s at each --batch and prefill tokens/s, into results["kiln"][fmt][TPxPP].
+        With multi-rank engines in the run every engine's decode is timed the same way, from the first
+        token to the last finish (time_kiln subtracts a separately timed prefill, as time_hf does)."""
+        decode = decode_kiln if parallel else time_kiln
+        fmt, (tp, pp) = key
+        entry = results["kiln"].setdefault(fmt, {})[f"{tp}x{pp}"] = {
+            "engine": str(engines[key]), "build": builds.get(key),
+            "decode": {b: max(decode(engine, b, args.input_len, args.output_len, vocab) for _ in range(args.repeats))
+                       for b in args.batch},
+            "prefill": max(prefill_kiln(engine, args.prefill_len, vocab) for _ in range(args.repeats))}
+        return entry
+
+    ours = measure(llm, first)
+    if not parallel:  # against HF, measured the same way
+        hf = None if args.skip_hf else transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+        for batch in args.batch:
+            theirs = max(time_hf(hf, batch, args.input_len, args.output_len, vocab)
+                         for _ in range(args.repeats)) if hf else None
+            results["decode"][batch] = {"kiln": ours["decode"][batch], "hf": theirs}
+        results["prefill"][args.prefill_len] = {"kiln": ours["prefill"],
+                                                "hf": prefill_hf(hf, args.prefill_len, vocab) if hf else None}
+        del hf
     if args.long_context:
         short = decode_seconds_at(llm, args.input_len, vocab)
         long = decode_seconds_at(llm, args.long_context, vocab)
@@ -307,39 +365,25 @@ def main():
         mixed, pre, dec = mixed_step(llm.llm_engine, vocab, args.prefill_len, 15, args.input_len)
         results["mixed_step"] = {"mixed_s": mixed, "prefill_s": pre, "decode15_s": dec}
     if args.roofline:
-        sys.path.insert(0, str(Path(__file__).parent))
         from roofline import bandwidth, decode_bytes_per_token
 
         threads = results["threads"]
         roof = max(v for t in sorted({1, threads}) for v in bandwidth(1.0, t).values())
         torch.set_num_threads(threads)
         moved = decode_bytes_per_token(llm.llm_engine.core.executor.engine, args.input_len + args.output_len // 2)
-        if results["decode"]:
-            results["roofline"] = {"gb_s": roof,
-                                   "batch1_gb_s": moved * results["decode"][min(args.batch)]["kiln"] / 1e9}
-
-    def measure(engine, entry):  # the multi-rank comparison: every engine measured the same way
-        for batch in args.batch:
-            entry["decode"][batch] = max(decode_kiln(engine, batch, args.input_len, args.output_len, vocab)
-                                         for _ in range(args.repeats))
-        entry["prefill"][args.prefill_len] = max(prefill_kiln(engine, args.prefill_len, vocab)
-                                                 for _ in range(args.repeats))
-        return entry
-
-    results["parallel"] = {}
-    if parallel:
-        results["parallel"]["1x1"] = measure(llm, {"engine": str(engine_dir), "decode": {}, "prefill": {}})
+        results["roofline"] = {"gb_s": roof, "batch1_gb_s": moved * ours["decode"][min(args.batch)] / 1e9}
     llm.llm_engine.shutdown()
     del llm
-    for (tp, pp), pdir in parallel_dirs.items():
-        start = time.perf_counter()
-        plm = LLM(pdir)
-        results["parallel"][f"{tp}x{pp}"] = measure(plm, {"engine": str(pdir), "load_seconds": time.perf_counter() - start,
-                                                          "decode": {}, "prefill": {}, "build": builds.get((tp, pp))})
-        plm.llm_engine.shutdown()
-        del plm
+    for key, other_dir in engines.items():
+        if key != first:
+            start = time.perf_counter()
+            other = LLM(other_dir)
+            measure(other, key)["load_seconds"] = time.perf_counter() - start
+            other.llm_engine.shutdown()
+            del other
+    if args.llama_cpp:
+        results["llama_cpp"] = llama_cpp_results(hf_dir, work, args, vocab)
     if any(tp > 1 for tp, _ in parallel):
-        sys.path.insert(0, str(Path(__file__).parent))
         import all_reduce
 
         p = json.loads((engine_dir / "config.json").read_text())["pretrained_config"]
@@ -351,12 +395,13 @@ def main():
         hf_s = f"{r['hf']:.1f}" if r["hf"] else "-"
         print(f"{label:<32} {r['kiln']:>10.1f} {hf_s:>10} {ratio:>8}")
 
-    print(f"{'tokens/s (' + args.dtype + ', ' + str(results['threads']) + ' threads)':<32} "
-          f"{'kiln':>10} {'hf':>10} {'ratio':>8}")
-    for batch, r in results["decode"].items():
-        row(f"decode batch {batch} ({args.input_len}+{args.output_len})", r)
-    for length, r in results["prefill"].items():
-        row(f"prefill {length} tokens", r)
+    if results["decode"]:
+        print(f"{'tokens/s (' + name(first[0]) + ', ' + str(results['threads']) + ' threads)':<32} "
+              f"{'kiln':>10} {'hf':>10} {'ratio':>8}")
+        for batch, r in results["decode"].items():
+            row(f"decode batch {batch} ({args.input_len}+{args.output_len})", r)
+        for length, r in results["prefill"].items():
+            row(f"prefill {length} tokens", r)
     if "long_context" in results:
         r = results["long_context"]
         print(f"batch-1 decode at {r['context']} tokens of context: {r['long_s'] * 1e3:.1f} ms/token, "
@@ -370,25 +415,35 @@ def main():
         r = results["roofline"]
         print(f"roofline: {r['gb_s']:.1f} GB/s; batch-{min(args.batch)} decode moves {r['batch1_gb_s']:.1f} GB/s "
               f"= {r['batch1_gb_s'] / r['gb_s']:.0%}")
-    if results["parallel"]:
-        labels = [m for m in results["parallel"] if m != "1x1"]
-        one = results["parallel"]["1x1"]
-        print(f"{'tokens/s against one rank':<32} {'tp1':>10} " + " ".join(f"{'tp' + m.replace('x', ' pp'):>16}"
-                                                                       for m in labels))
-        measures = [(f"decode batch {b} ({args.input_len}+{args.output_len})", one["decode"][b], "decode", b)
+    if len(args.formats) > 1 or "llama_cpp" in results:
+        print(f"\ntokens/s, {results['threads']} threads | " + " | ".join(f"decode b{b}" for b in args.batch)
+              + f" | prefill {args.prefill_len}")
+        rows = [(f"Kiln {name(fmt)}" + (" (int8 activations)" if args.int8_activations and quantized(fmt) else ""),
+                 results["kiln"][fmt]["1x1"]) for fmt in args.formats]
+        rows += [(f"llama.cpp {kind}", r) for kind, r in results.get("llama_cpp", {}).items()]
+        if results["prefill"].get(args.prefill_len, {}).get("hf"):
+            rows.append((f"HF {args.dtype}", {"decode": {b: r["hf"] for b, r in results["decode"].items()},
+                                              "prefill": results["prefill"][args.prefill_len]["hf"]}))
+        for label, r in rows:
+            print(f"{label} | " + " | ".join(f"{r['decode'][b]:.1f}" for b in args.batch) + f" | {r['prefill']:.1f}")
+    for fmt in args.formats if parallel else []:
+        one, labels = results["kiln"][fmt]["1x1"], [f"{tp}x{pp}" for tp, pp in parallel]
+        print(f"\n{'tokens/s against one rank (' + name(fmt) + ')':<32} {'tp1':>10} "
+              + " ".join(f"{'tp' + m.replace('x', ' pp'):>16}" for m in labels))
+        measures = [(f"decode batch {b} ({args.input_len}+{args.output_len})", lambda e, b=b: e["decode"][b])
                     for b in args.batch]
-        measures.append((f"prefill {args.prefill_len} tokens", one["prefill"][args.prefill_len], "prefill",
-                         args.prefill_len))
-        for label, base, kind, key in measures:
-            cells = []
-            for m in labels:
-                v = results["parallel"][m][kind][key]
-                cells.append(f"{v:>9.1f} {v / base:>5.2f}x")
+        measures.append((f"prefill {args.prefill_len} tokens", lambda e: e["prefill"]))
+        for label, value in measures:
+            base = value(one)
+            cells = [f"{value(results['kiln'][fmt][m]):>9.1f} {value(results['kiln'][fmt][m]) / base:>5.2f}x"
+                     for m in labels]
             print(f"{label:<32} {base:>10.1f} " + " ".join(f"{c:>16}" for c in cells))
-        for m in labels:
-            e = results["parallel"][m]
-            print(f"tp {m.replace('x', ' x pp ')}: load {e['load_seconds']:.1f}s" + (
-                f", build {e['build']['seconds']:.1f}s ({'; '.join(e['build']['ranks'])})" if e["build"] else ""))
+    for fmt, (tp, pp) in list(engines)[1:]:
+        e = results["kiln"][fmt][f"{tp}x{pp}"]
+        b = e["build"]
+        ranks = f" ({'; '.join(b['ranks'])})" if b and b["ranks"] else ""
+        print(f"{name(fmt)} tp {tp} x pp {pp}: load {e['load_seconds']:.1f}s"
+              + (f", build {b['seconds']:.1f}s{ranks}" if b else ""))
     if "all_reduce" in results:
         r = results["all_reduce"]
         print("one all-reduce of [tokens, hidden] between 2 ranks: " + ", ".join(
@@ -396,12 +451,12 @@ def main():
     print(f"load average at the end: {results['load_average_end']:.1f}")
     ranks_mb = sum(f.stat().st_size for f in engine_dir.glob("rank*.engine")) / 2**20
     written = f", {load['mb_written']:.0f} MB written" if load["mb_written"] is not None else ""
-    print(f"engine load (until the first request can run): {load['seconds']:.1f}s{written}, "
+    print(f"engine load ({name(first[0])}, until the first request can run): {load['seconds']:.1f}s{written}, "
           f"for {ranks_mb:.0f} MB of rank engines")
     if build_seconds is not None:
         autotune = json.loads((engine_dir / "config.json").read_text())["build_config"]["max_autotune"]
         size = sum(f.stat().st_size for f in engine_dir.iterdir()) / 2**20
-        print(f"engine build: {build_seconds:.1f}s, peak RSS {build_rss_mb:.0f} MB, {size:.0f} MB "
+        print(f"engine build: {build_seconds:.1f}s, peak RSS {builds[first]['peak_rss_mb']:.0f} MB, {size:.0f} MB "
               f"({args.backend}{', max-autotune' if autotune else ''})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

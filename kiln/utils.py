@@ -31,8 +31,8 @@ def progress(**kwargs):
     return tqdm(file=sys.stderr, disable=kwargs.pop("disable", None), **kwargs)
 
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512_fp16",
-             "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512_fp16",
+             "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")
 
 
 def cpu_summary() -> str:
@@ -44,7 +44,7 @@ def cpu_summary() -> str:
             key, _, value = line.partition(":")
             if key.strip() == "model name" and model == "unknown CPU":
                 model = value.strip()
-            elif key.strip() == "flags" and not flags:
+            elif key.strip() in ("flags", "Features") and not flags:  # x86, Arm
                 flags = set(value.split())
     except OSError:
         pass

@@ -4,9 +4,9 @@ clients drive it (HTTP generate / generate_stream, `tritonclient.grpc` streams).
 equal `LLM.generate`; 32 concurrent streams share the in-flight batch; cancellation by each of the
 three routes frees the request's KV blocks; bad input gets an error naming it and the server keeps
 serving; the dashboards' and alert rules' metric names exist on the real /metrics of tritonserver
-and kiln serve; benchmarks/serving.py targets Triton; a non-decoupled repository answers once per
-request; SIGTERM drains (the last test: it stops the server). What needs no server is in
-tests/test_triton_repo.py."""
+and kiln serve; benchmarks/serving.py targets Triton; a repeated prompt reuses its cached KV blocks;
+a non-decoupled repository (reuse off) answers once per request; SIGTERM drains (the last test: it
+stops the server). What needs no server is in tests/test_triton_repo.py."""
 import asyncio
 import json
 import os
@@ -325,6 +325,25 @@ def test_non_streaming_outputs_logits_and_perf_metrics(server, llm):
     stream.close()
 
 
+def test_kv_cache_reuse_on_a_repeated_prompt(server, llm):
+    """enable_kv_cache_reuse (on by default): the same long prompt again takes its full blocks from
+    the prefix cache (all but the one holding its last token), with the same output."""
+    prompt = llm.get_tokenizer().encode(f"# kv reuse\n{PROMPTS[2]}\n{PROMPTS[3]}")[:100]  # a prefix no test sent
+    ref = llm.generate({"prompt_token_ids": prompt}, greedy())[0].outputs[0].token_ids
+    before = kv(idle(server), "reused")
+    perf = ["kv_cache_reused_blocks", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks"]
+    stream = Stream(server)
+    first, second = (stream.call("tensorrt_llm", engine_inputs(prompt, MAX_TOKENS, return_perf_metrics=True),
+                                 ["output_ids", *perf]) for _ in range(2))
+    stream.close()
+    (reused0, new0, total0), (reused, new, total) = ([r.as_numpy(n)[0, 0] for n in perf] for r in (first, second))
+    assert first.as_numpy("output_ids")[0, 0].tolist() == second.as_numpy("output_ids")[0, 0].tolist() == prompt + ref
+    assert reused0 == 0 and new0 == total0 == total
+    assert reused == (len(prompt) - 1) // 8 > 0 and new == total - reused
+    # TensorRT-LLM's cumulative count of reused blocks
+    wait_for(lambda: kv(server.metrics(), "reused") >= before + reused, what="the reused blocks metric to rise")
+
+
 # -------------------------------------------------------------------- serving: under load
 def test_32_concurrent_streams_share_the_in_flight_batch(server, llm):
     prompts = [PROMPTS[i % 4] + " " * (i // 4 % 3) for i in range(32)]
@@ -551,7 +570,7 @@ def test_non_decoupled_repository(engine_dir, llm, tmp_path):
     n > 1 are refused with the reason."""
     out = tmp_path / "repo"
     result = CliRunner().invoke(cli, ["triton-repo", "--engine_dir", str(engine_dir), "--output_dir", str(out),
-                                      "--param", "decoupled_mode=false"])
+                                      "--param", "decoupled_mode=false", "--param", "enable_kv_cache_reuse=false"])
     assert result.exit_code == 0, result.output
     server = Triton(out, tmp_path / "server.log")
     try:
@@ -564,6 +583,11 @@ def test_non_decoupled_repository(engine_dir, llm, tmp_path):
                 r = http.post(f"/v2/models/{model}/generate",
                               json={"text_input": "x", "max_tokens": 4, "stream": True})
                 assert r.status_code == 400 and "decoupled_mode: true" in r.json()["error"]
+                # enable_kv_cache_reuse false: a repeated prompt is computed again
+                r = http.post(f"/v2/models/{model}/generate", json={"text_input": PROMPTS[2], "max_tokens": 2,
+                                                                     "return_perf_metrics": True})
+                assert r.json()["kv_cache_reused_blocks"] == 0, r.text
+        assert kv(idle(server), "reused") == 0
         ids = [o.prompt_token_ids for o in ref]
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
         r = client.infer("tensorrt_llm", grpc_inputs(

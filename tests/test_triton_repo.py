@@ -55,7 +55,7 @@ def test_triton_repo_refuses_bad_parameters(engine_dir, tmp_path):
         (["--param", "triton_max_batch_size=many"], "triton_max_batch_size: expected an integer >= 1, got 'many'"),
         (["--param", "decoupled_mode=maybe"], "decoupled_mode: expected true or false"),
         (["--param", "gpt_model_type=V1"], "V1 (static batching) is not supported"),
-        (["--param", "enable_kv_cache_reuse=true"], "no prefix cache"),
+        (["--param", "enable_kv_cache_reuse=sometimes"], "enable_kv_cache_reuse: expected true or false"),
         (["--param", "max_beam_width=2"], "max_beam_width: expected 1"),
         (["--param", "kv_cache_free_gpu_mem_fraction=1.5"], "kv_cache_free_gpu_mem_fraction"),
         (["--param", f"tokenizer_dir={tmp_path / 'missing'}"], "tokenizer_dir"),

@@ -23,8 +23,9 @@ def _parameters(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="A parameter, by TensorRT-LLM's name (repeatable): gpt_model_type, batch_scheduler_policy, "
                    "max_tokens_in_paged_kv_cache, kv_cache_free_gpu_mem_fraction, enable_chunked_context, "
-                   "exclude_input_in_output, cancellation_check_period_ms, stats_check_period_ms, tokenizer_dir, "
-                   "add_special_tokens, skip_special_tokens, triton_max_batch_size, decoupled_mode, "
+                   "enable_kv_cache_reuse, exclude_input_in_output, cancellation_check_period_ms, "
+                   "stats_check_period_ms, tokenizer_dir, add_special_tokens, skip_special_tokens, "
+                   "triton_max_batch_size, decoupled_mode, "
                    "max_queue_delay_microseconds, bls_instance_count, preprocessing_instance_count, "
                    "postprocessing_instance_count, ...")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty --output_dir.")

@@ -227,12 +227,13 @@ class Tracker:
     def _perf(self, out: RequestOutput, c: CompletionOutput) -> dict:
         m = out.metrics
         blocks = -(-(len(out.prompt_token_ids) + len(c.token_ids) - 1) // self.tokens_per_block)
+        reused = (out.num_cached_tokens or 0) // self.tokens_per_block  # prefix cache hits are whole blocks
 
         def ns(t):
             return np.array([[int((t if t is not None else time.monotonic()) * 1e9)]], np.int64)
 
-        return {"kv_cache_alloc_new_blocks": np.array([[blocks]], np.int32),
-                "kv_cache_reused_blocks": np.array([[0]], np.int32),  # there is no prefix cache yet
+        return {"kv_cache_alloc_new_blocks": np.array([[blocks - reused]], np.int32),
+                "kv_cache_reused_blocks": np.array([[reused]], np.int32),
                 "kv_cache_alloc_total_blocks": np.array([[blocks]], np.int32),
                 "arrival_time_ns": ns(m.arrival_time), "first_scheduled_time_ns": ns(m.first_scheduled_time),
                 "first_token_time_ns": ns(m.first_token_time), "last_token_time_ns": ns(m.finished_time),

@@ -61,6 +61,7 @@ class TritonPythonModel:
         self.tokens_per_block = engine.build_config.tokens_per_block
         self.llm = AsyncLLM(p["gpt_model_path"], scheduler_policy=p["batch_scheduler_policy"],
                             enable_chunked_prefill=p["enable_chunked_context"],
+                            enable_prefix_caching=p["enable_kv_cache_reuse"],
                             kv_cache_free_mem_fraction=p["kv_cache_free_gpu_mem_fraction"],
                             max_tokens_in_paged_kv_cache=p["max_tokens_in_paged_kv_cache"])
         self.tokenizer = self.llm.tokenizer

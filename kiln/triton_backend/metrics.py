@@ -51,6 +51,7 @@ class EngineMetrics:
                            hist).Metric(labels=common, buckets=TTFT_BUCKETS)
         self.request["max"].set(max_batch_size)
         self.kv["tokens_per"].set(tokens_per_block)
+        self.tokens_per_block = tokens_per_block
 
     def update(self, s: dict, now: float) -> None:
         """From AsyncLLM.stats() (LLMEngine.get_stats)."""
@@ -64,7 +65,9 @@ class EngineMetrics:
         self.kv["max"].set(s["num_kv_blocks"])
         self.kv["free"].set(s["num_free_kv_blocks"])
         self.kv["used"].set(used)
-        self.kv["reused"].set(0)  # there is no prefix cache yet
+        # TensorRT-LLM's reusedBlocks: blocks taken from the prefix cache since the start (a gauge
+        # there too); the engine counts hits in tokens, always whole blocks
+        self.kv["reused"].set(s["prefix_cache_hits"] // self.tokens_per_block)
         self.kv["fraction"].set(used / s["num_kv_blocks"] if s["num_kv_blocks"] else 0.0)
         self.batcher["total_context_tokens"].set(last["num_context_tokens"])
         self.batcher["generation_requests"].set(last["num_generation_requests"])

@@ -53,7 +53,9 @@ PARAMETERS: dict[str, Param] = {
     "kv_cache_free_gpu_mem_fraction": Param("float", "", "fraction of free memory for the KV cache "
                                             "(empty: enough for every slot at full length)"),
     "enable_chunked_context": _bool("false", "prefill long prompts in chunks beside running requests"),
-    "enable_kv_cache_reuse": _bool("false", "prefix caching (refused: the engine has none yet)"),
+    # On when unset, as the engine's own default and tensorrtllm_backend's since its executor-API
+    # rewrite (its GptManager-era versions defaulted to false)
+    "enable_kv_cache_reuse": _bool("true", "prefix caching: reuse the KV blocks of prompt prefixes seen before"),
     "exclude_input_in_output": _bool("false", "output_ids without the prompt (a request may override)"),
     "max_beam_width": Param("choice", "1", "1: there is no beam search", choices=("1",)),
     "cancellation_check_period_ms": _int(1, "100", "how often cancelled requests are looked for"),
@@ -73,7 +75,6 @@ PARAMETERS: dict[str, Param] = {
 
 REFUSED_VALUES = {
     ("gpt_model_type", "v1"): "V1 (static batching) is not supported: use inflight_fused_batching",
-    ("enable_kv_cache_reuse", "true"): "true is not supported yet: the engine has no prefix cache",
 }
 BOOLS = {"true": "true", "1": "true", "false": "false", "0": "false"}
 

@@ -11,6 +11,13 @@ token ids (--text_prompts sends text) with `ignore_eos` so that each request gen
 the one asked for). Load is fixed concurrency (--concurrency, a sweep: one run per value) or a
 Poisson --request_rate.
 
+--shared_prefix_len N gives every prompt the same N-token system prompt before its own user turn
+(chat and agent traffic), and --prefix_caching on off runs each server twice, with and without
+(`kiln serve --no-enable-prefix-caching`, Triton's `enable_kv_cache_reuse=false`), in one invocation.
+The table's "cached" column is the share of prompt tokens the server found in its prefix cache, from
+each response's `usage.prompt_tokens_details.cached_tokens` (kiln serve, vLLM); the warm-up request
+before each run puts the system prompt in the cache, as earlier traffic would.
+
   # start `kiln serve` on the engine, sweep concurrency, compare with HF transformers one at a time
   python benchmarks/serving.py --engine_dir demo_out/engine --concurrency 1 4 16 64 \\
       --hf_baseline models/kiln-tiny-stdlib --json bench_out/serving.json --plot bench_out/serving.png
@@ -19,6 +26,13 @@ Poisson --request_rate.
   # kiln serve, then Triton's ensemble and BLS models on the same engine, one after the other
   python benchmarks/serving.py --engine_dir demo_out/engine --backend openai triton \\
       --triton_models ensemble tensorrt_llm_bls --concurrency 1 4 16
+  # 16 requests sharing a 1,024-token system prompt, with and without prefix caching (an engine
+  # that takes such prompts: the demo engine's max_input_len is 256)
+  convert_checkpoint --model_dir models/kiln-tiny-stdlib --output_dir bench_out/ckpt_bf16 --dtype bfloat16
+  engine-build --checkpoint_dir bench_out/ckpt_bf16 --output_dir bench_out/engine_1k --max_batch_size 16 \\
+      --max_input_len 1152 --max_seq_len 1280 --max_num_tokens 2048
+  python benchmarks/serving.py --engine_dir bench_out/engine_1k --shared_prefix_len 1024 --input_len 64 \\
+      --output_len 32 --num_prompts 16 --concurrency 1 16 --prefix_caching on off
 """
 import argparse
 import asyncio
@@ -47,22 +61,30 @@ class Result:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache, if it says
 
 
 # ---------------------------------------------------------------------------------- workload
 def make_requests(tokenizer, n: int, input_len: int, output_len: int, max_input: int, max_seq: int,
-                  seed: int) -> list[tuple[list[int], int]]:
+                  seed: int, shared_prefix_len: int = 0) -> list[tuple[list[int], int]]:
     """n (prompt ids, output length) pairs: log-normal lengths around the given medians (ShareGPT's
-    shape: most requests short, a long tail), clipped to the server's limits."""
+    shape: most requests short, a long tail), clipped to the server's limits; with a shared prefix,
+    each prompt is the same system prompt of that many tokens and then its own user turn."""
+    if shared_prefix_len and shared_prefix_len + 4 > max_input:
+        sys.exit(f"--shared_prefix_len {shared_prefix_len} leaves no room for a user turn: the server's longest "
+                 f"prompt is {max_input} tokens (--max_input_len, or an engine built with a larger one)")
     rng = np.random.default_rng(seed)
     files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))
     corpus = tokenizer.encode("\n".join(Path(f).read_text(errors="replace") for f in files[:12]))
-    ins = np.clip(rng.lognormal(np.log(input_len), 0.8, n).astype(int), 4, max_input)
+    ins = np.clip(rng.lognormal(np.log(input_len), 0.8, n).astype(int), 4, max_input - shared_prefix_len)
     outs = rng.lognormal(np.log(output_len), 0.7, n).astype(int)
+    start = int(rng.integers(0, len(corpus) - shared_prefix_len)) if shared_prefix_len else 0
+    system = corpus[start:start + shared_prefix_len]
     requests = []
     for i, o in zip(ins, outs):
         start = int(rng.integers(0, len(corpus) - i))
-        requests.append((corpus[start:start + i], int(np.clip(o, 2, max_seq - i))))
+        prompt = system + corpus[start:start + i]
+        requests.append((prompt, int(np.clip(o, 2, max_seq - len(prompt)))))
     return requests
 
 
@@ -97,6 +119,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int)
                 if chunk.get("usage"):
                     r.output_len = chunk["usage"]["completion_tokens"]
                     r.prompt_len = chunk["usage"]["prompt_tokens"]
+                    r.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 if not any(c.get("text") for c in chunk.get("choices", [])):
                     continue
                 now = time.perf_counter()
@@ -148,7 +171,7 @@ async def send_triton(client: httpx.AsyncClient, url: str, body: dict, prompt_le
 
 async def run_load(base_url: str, model: str, requests, concurrency: int | None, rate: float,
                    api_key: str | None, text_prompts: bool, tokenizer, seed: int,
-                   backend: str = "openai") -> tuple[list[Result], float]:
+                   backend: str = "openai", warmup: tuple[list[int], int] | None = None) -> tuple[list[Result], float]:
     url = f"{base_url}/v1/completions" if backend == "openai" else f"{base_url}/v2/models/{model}/generate_stream"
     sender = send if backend == "openai" else send_triton
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -169,7 +192,7 @@ async def run_load(base_url: str, model: str, requests, concurrency: int | None,
             async with gate:
                 return await sender(client, url, body(ids, out), len(ids))
 
-        await one(*requests[0])  # warm-up: connections, first-step costs
+        await one(*(warmup or requests[0]))  # warm-up: connections, first-step costs
         start = time.perf_counter()
         tasks = []
         for ids, out in requests:
@@ -228,6 +251,10 @@ def summarize(results: list[Result], duration: float) -> dict:
          "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
          "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
          "total_output_tokens": out_tokens, "errors": sorted({r.error for r in results if r.error})[:5]}
+    told = [r for r in ok if r.cached_tokens is not None]
+    if told:  # prefill the server computed, and the share of prompt tokens it took from its cache
+        s["prefill_tokens_computed"] = sum(r.prompt_len - r.cached_tokens for r in told)
+        s["prefix_cache_hit_rate"] = sum(r.cached_tokens for r in told) / max(sum(r.prompt_len for r in told), 1)
     for name, xs in (("ttft", [r.ttft for r in ok]), ("tpot", tpot), ("itl", itl),
                      ("e2el", [r.latency for r in ok])):
         xs = np.array(xs or [np.nan]) * 1e3
@@ -237,15 +264,35 @@ def summarize(results: list[Result], duration: float) -> dict:
 
 
 def table(runs: list[dict]) -> str:
-    cols = ["load", "req/s", "out tok/s", "TTFT mean/med/p99 ms", "TPOT mean/med/p99 ms", "ITL mean/med/p99 ms"]
+    cols = ["load", "req/s", "out tok/s", "TTFT mean/med/p99 ms", "TPOT mean/med/p99 ms", "ITL mean/med/p99 ms",
+            "cached"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in runs:
         trio = [f"{r[f'mean_{m}_ms']:.1f} / {r[f'median_{m}_ms']:.1f} / {r[f'p99_{m}_ms']:.1f}"
                 for m in ("ttft", "tpot", "itl")]
         fail = f" ({r['failed']} failed)" if r["failed"] else ""
+        hit = r.get("prefix_cache_hit_rate")
         lines.append(f"| {r['label']}{fail} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
-                     + " | ".join(trio) + " |")
+                     + " | ".join(trio) + f" | {'-' if hit is None else f'{100 * hit:.0f}%'} |")
     return "\n".join(lines)
+
+
+def caching_effect(runs: list[dict]) -> list[str]:
+    """Each run with prefix caching against the same run without: TTFT and prefill computed."""
+    lines = []
+    for on in (r for r in runs if r.get("prefix_caching") == "on"):
+        off = next((r for r in runs if r.get("prefix_caching") == "off" and r["server"] == on["server"]
+                    and r["concurrency"] == on["concurrency"]), None)
+        if off is None or not off["completed"] or not on["completed"]:
+            continue
+        line = (f"{on['label']}: mean TTFT {on['mean_ttft_ms']:.1f} ms vs {off['mean_ttft_ms']:.1f} ms without "
+                f"({off['mean_ttft_ms'] / on['mean_ttft_ms']:.2f}x)")
+        if on.get("prefill_tokens_computed") is not None and off.get("prefill_tokens_computed"):
+            line += (f"; prefill computed {on['prefill_tokens_computed']} vs {off['prefill_tokens_computed']} "
+                     f"tokens ({100 * (1 - on['prefill_tokens_computed'] / off['prefill_tokens_computed']):.0f}% "
+                     "fewer)")
+        lines.append(line)
+    return lines
 
 
 def plot(runs: list[dict], hf: dict | None, path: Path) -> None:
@@ -289,8 +336,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(engine_dir: str, threads: int | None, log: Path, backend: str = "openai"
-                 ) -> tuple[subprocess.Popen, str]:
+def start_server(engine_dir: str, threads: int | None, log: Path, backend: str = "openai",
+                 prefix_caching: bool = True) -> tuple[subprocess.Popen, str]:
     """`kiln serve` (openai), or `kiln triton-repo` + `kiln triton-serve` (triton), on the engine."""
     kiln = str(Path(sys.executable).parent / "kiln")
     port = free_port()
@@ -298,13 +345,15 @@ def start_server(engine_dir: str, threads: int | None, log: Path, backend: str =
     log.parent.mkdir(parents=True, exist_ok=True)
     if backend == "openai":
         cmd = [kiln, "serve", "--engine_dir", engine_dir, "--host", "127.0.0.1", "--port", str(port),
-               "--no_access_log"] + (["--threads", str(threads)] if threads else [])
+               "--no_access_log", "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"] \
+            + (["--threads", str(threads)] if threads else [])
         health = "/health"
     else:
         repo = log.parent / "triton_repo"
         subprocess.run([kiln, "triton-repo", "--engine_dir", engine_dir, "--output_dir", str(repo), "--overwrite",
                         "--param", "batch_scheduler_policy=max_utilization",
-                        "--param", "enable_chunked_context=true"],
+                        "--param", "enable_chunked_context=true",
+                        "--param", f"enable_kv_cache_reuse={str(prefix_caching).lower()}"],
                        check=True)
         cmd = [kiln, "triton-serve", "--model_repo", str(repo), "--address", "127.0.0.1", "--http-port", str(port),
                "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
@@ -354,6 +403,11 @@ def main():
     ap.add_argument("--request_rate", type=float, default=float("inf"), help="Poisson arrivals per second "
                     "(with no --concurrency: one run at this rate)")
     ap.add_argument("--text_prompts", action="store_true", help="send text, not token ids (Triton always does)")
+    ap.add_argument("--shared_prefix_len", "--shared-prefix-len", type=int, default=0,
+                    help="tokens of a system prompt every prompt starts with (then its own --input_len turn)")
+    ap.add_argument("--prefix_caching", "--prefix-caching", nargs="+", choices=["on", "off"],
+                    help="with --engine_dir: start each server with prefix caching on and/or off, one run each "
+                         "(default: the server's default, on)")
     ap.add_argument("--hf_baseline", help="HF model dir: also run the requests one at a time through HF")
     ap.add_argument("--hf_dtype", default=None, help="default: the engine's dtype, else float32")
     ap.add_argument("--hf_num_prompts", type=int, default=None, help="requests for the HF run (default: all)")
@@ -364,6 +418,8 @@ def main():
     args = ap.parse_args()
     if args.base_url and len(args.backend) > 1:
         ap.error("--base_url is one server: give one --backend")
+    if args.base_url and args.prefix_caching:
+        ap.error("--prefix_caching starts servers: it needs --engine_dir (a server at --base_url has its own setting)")
 
     from transformers import AutoTokenizer
 
@@ -371,11 +427,11 @@ def main():
     build = json.loads((Path(args.engine_dir) / "config.json").read_text()) if args.engine_dir else {}
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.engine_dir)
     runs, model, base_url = [], None, args.base_url
-    for backend in args.backend:
+    for backend, caching in [(b, c) for b in args.backend for c in args.prefix_caching or [None]]:
         proc = None
         if args.engine_dir:
-            proc, base_url = start_server(args.engine_dir, args.threads, Path(f"bench_out/serving_{backend}.log"),
-                                          backend)
+            log = Path(f"bench_out/serving_{backend}{f'_caching_{caching}' if caching else ''}.log")
+            proc, base_url = start_server(args.engine_dir, args.threads, log, backend, caching != "off")
         try:
             if backend == "openai":
                 models = httpx.get(f"{base_url}/v1/models", timeout=30, headers={"Authorization": f"Bearer "
@@ -386,18 +442,22 @@ def main():
                 targets = [(m, f"Triton {m}") for m in args.triton_models]
                 max_seq = build.get("build_config", {}).get("max_seq_len") or args.max_seq_len or 2048
             max_input = args.max_input_len or build.get("build_config", {}).get("max_input_len") or max_seq // 2
-            for model, target in targets:
-                for c in args.concurrency or [None]:
+            for model, server in targets:
+                target = f"{server}, prefix caching {caching}" if caching else server
+                for i, c in enumerate(args.concurrency or [None]):
                     n = max(args.num_prompts, 2 * (c or 0))
-                    requests = make_requests(tokenizer, n, args.input_len, args.output_len, max_input, max_seq,
-                                             args.seed)
-                    requests = as_text(tokenizer, requests, max_input, max_seq)  # the same for every backend
+                    # A seed per run: a server's prefix cache holds the prompts of its earlier runs. The
+                    # warm-up is a request of its own (with a shared prefix, it caches the system prompt).
+                    requests = make_requests(tokenizer, n + 1, args.input_len, args.output_len, max_input, max_seq,
+                                             args.seed + i, args.shared_prefix_len)
+                    *requests, warmup = as_text(tokenizer, requests, max_input, max_seq)  # the same for all
                     results, duration = asyncio.run(run_load(base_url, model, requests, c, args.request_rate,
                                                              args.api_key, args.text_prompts, tokenizer, args.seed,
-                                                             backend))
+                                                             backend, warmup))
                     label = f"{target}, " + (f"concurrency {c}" if c else f"rate {args.request_rate}/s")
-                    runs.append({"label": label, "target": target, "concurrency": c,
-                                 "request_rate": args.request_rate, "num_prompts": n, **summarize(results, duration)})
+                    runs.append({"label": label, "target": target, "server": server, "concurrency": c,
+                                 "prefix_caching": caching, "request_rate": args.request_rate, "num_prompts": n,
+                                 **summarize(results, duration)})
                     print(f"{label}: {runs[-1]['completed']}/{n} ok in {duration:.1f}s, "
                           f"{runs[-1]['output_throughput']:.1f} output tok/s", file=sys.stderr)
         finally:
@@ -407,13 +467,15 @@ def main():
     hf = None
     if args.hf_baseline:
         dtype = args.hf_dtype or build.get("pretrained_config", {}).get("dtype") or "float32"
-        requests = make_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, max_input,
-                                 max_seq, args.seed)[:args.hf_num_prompts]  # the same requests (or the first)
-        requests = as_text(tokenizer, requests, max_input, max_seq)
+        requests = make_requests(tokenizer, args.num_prompts + 1, args.input_len, args.output_len, max_input,
+                                 max_seq, args.seed, args.shared_prefix_len)  # the first run's (or its first)
+        requests = as_text(tokenizer, requests, max_input, max_seq)[:-1][:args.hf_num_prompts]
         results, duration = run_hf(args.hf_baseline, dtype, requests, args.threads)
         hf = {"label": f"HF transformers ({dtype}), one at a time", "concurrency": None,
               "num_prompts": len(requests), **summarize(results, duration)}
     print(table(runs + ([hf] if hf else [])))
+    for line in caching_effect(runs):
+        print(line)
     if hf:
         for r in runs:
             print(f"{r['label']}: {r['output_throughput'] / hf['output_throughput']:.2f}x HF's output tok/s")

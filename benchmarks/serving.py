@@ -21,6 +21,8 @@ before each run puts the system prompt in the cache, as earlier traffic would.
   # start `kiln serve` on the engine, sweep concurrency, compare with HF transformers one at a time
   python benchmarks/serving.py --engine_dir demo_out/engine --concurrency 1 4 16 64 \\
       --hf_baseline models/kiln-tiny-stdlib --json bench_out/serving.json --plot bench_out/serving.png
+  # kiln serve against LLM.generate on the same requests, as many at once as the concurrency
+  python benchmarks/serving.py --engine_dir demo_out/engine --concurrency 16 64 --offline
   # any OpenAI-compatible server (vLLM, TensorRT-LLM, Kiln) already running
   python benchmarks/serving.py --base_url http://127.0.0.1:8000 --tokenizer path/to/hf_dir --request_rate 4
   # kiln serve, then Triton's ensemble and BLS models on the same engine, one after the other
@@ -241,6 +243,29 @@ def run_hf(hf_dir: str, dtype: str, requests, threads: int | None) -> tuple[list
     return results, time.perf_counter() - start
 
 
+def run_offline(engine_dir: str, requests, batch: int | None, threads: int | None) -> tuple[list[Result], float]:
+    """The same requests through LLM.generate in this process, at most `batch` at once (the serving
+    run's concurrency): what the engine does when no frontend, HTTP or client stands in between."""
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(engine_dir, threads=threads, max_batch_size=batch)
+    params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, out in requests]
+    llm.generate([{"prompt_token_ids": requests[0][0]}], params[:1])  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], params)
+    duration = time.perf_counter() - start
+    llm.llm_engine.shutdown()
+    results = []
+    for (ids, out), o in zip(requests, outs, strict=True):
+        m = o.metrics
+        n = len(o.outputs[0].token_ids)
+        tpot = m.time_per_output_token
+        itl = [tpot] * (n - 1) if tpot is not None else []
+        results.append(Result(ok=n == out, prompt_len=len(ids), output_len=n, ttft=m.time_to_first_token,
+                              latency=m.finished_time - m.arrival_time, itl=itl))
+    return results, duration
+
+
 # ---------------------------------------------------------------------------------- report
 def summarize(results: list[Result], duration: float) -> dict:
     ok = [r for r in results if r.ok]
@@ -408,6 +433,8 @@ def main():
     ap.add_argument("--prefix_caching", "--prefix-caching", nargs="+", choices=["on", "off"],
                     help="with --engine_dir: start each server with prefix caching on and/or off, one run each "
                          "(default: the server's default, on)")
+    ap.add_argument("--offline", action="store_true", help="also run each concurrency's requests through "
+                    "LLM.generate on --engine_dir, that many at once, and print serving / offline")
     ap.add_argument("--hf_baseline", help="HF model dir: also run the requests one at a time through HF")
     ap.add_argument("--hf_dtype", default=None, help="default: the engine's dtype, else float32")
     ap.add_argument("--hf_num_prompts", type=int, default=None, help="requests for the HF run (default: all)")
@@ -426,7 +453,9 @@ def main():
     print(f"CPU: {cpu()}", file=sys.stderr)
     build = json.loads((Path(args.engine_dir) / "config.json").read_text()) if args.engine_dir else {}
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.engine_dir)
-    runs, model, base_url = [], None, args.base_url
+    if args.offline and not args.engine_dir:
+        ap.error("--offline runs the engine in this process: it needs --engine_dir")
+    runs, model, base_url, offline_runs = [], None, args.base_url, []
     for backend, caching in [(b, c) for b in args.backend for c in args.prefix_caching or [None]]:
         proc = None
         if args.engine_dir:
@@ -460,10 +489,18 @@ def main():
                                  **summarize(results, duration)})
                     print(f"{label}: {runs[-1]['completed']}/{n} ok in {duration:.1f}s, "
                           f"{runs[-1]['output_throughput']:.1f} output tok/s", file=sys.stderr)
+                    if args.offline:
+                        offline_runs.append((runs[-1], requests, c))
         finally:
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=120)
+    offline = []
+    for run, requests, c in offline_runs:  # after the servers stopped: the machine is the engine's alone
+        results, duration = run_offline(args.engine_dir, requests, c, args.threads)
+        offline.append({"label": f"LLM.generate, batch {c or 'all'}, same requests as {run['label']}",
+                        "concurrency": c, "num_prompts": len(requests), **summarize(results, duration)})
+        run["offline"] = offline[-1]
     hf = None
     if args.hf_baseline:
         dtype = args.hf_dtype or build.get("pretrained_config", {}).get("dtype") or "float32"
@@ -473,9 +510,15 @@ def main():
         results, duration = run_hf(args.hf_baseline, dtype, requests, args.threads)
         hf = {"label": f"HF transformers ({dtype}), one at a time", "concurrency": None,
               "num_prompts": len(requests), **summarize(results, duration)}
-    print(table(runs + ([hf] if hf else [])))
+    print(table(runs + offline + ([hf] if hf else [])))
     for line in caching_effect(runs):
         print(line)
+    for r in runs:
+        if "offline" in r:
+            o = r["offline"]
+            print(f"{r['label']}: output tok/s {r['output_throughput'] / o['output_throughput']:.2f}x offline's; "
+                  f"mean ITL {r['mean_itl_ms']:.1f} ms = {r['mean_itl_ms'] / o['mean_tpot_ms']:.2f}x offline's "
+                  f"time per output token ({o['mean_tpot_ms']:.1f} ms)")
     if hf:
         for r in runs:
             print(f"{r['label']}: {r['output_throughput'] / hf['output_throughput']:.2f}x HF's output tok/s")

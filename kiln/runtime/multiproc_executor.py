@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -121,6 +122,11 @@ class MultiprocExecutor:
                 return f"rank {r} (pid {p.pid}) " + (f"was killed by {signal.Signals(-code).name}" if code < 0
                                                      else f"exited with code {code}")
 
+            # A rank that saw a peer vanish (its pipe or shared memory gone) can report it before the
+            # peer can be reaped: the kernel closes a dying process's files before it turns waitable.
+            deadline = time.monotonic() + 1.0
+            while all(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+                time.sleep(0.01)
             exited = [(r, p) for r, p in enumerate(self.procs) if p.poll() is not None]
             causes = [status(r, p) for r, p in exited if p.returncode not in (0, 1)]
             if not causes:

@@ -237,10 +237,10 @@ class Tracker:
                 "kv_cache_alloc_total_blocks": np.array([[blocks]], np.int32),
                 "arrival_time_ns": ns(m.arrival_time), "first_scheduled_time_ns": ns(m.first_scheduled_time),
                 "first_token_time_ns": ns(m.first_token_time), "last_token_time_ns": ns(m.finished_time),
-                # there is no speculative decoding yet
-                "acceptance_rate": np.array([[0.0]], np.float32),
-                "total_accepted_draft_tokens": np.array([[0]], np.int32),
-                "total_draft_tokens": np.array([[0]], np.int32)}
+                # 0 unless the engine speculates (the Triton model takes no speculative_config yet)
+                "acceptance_rate": np.array([[m.num_accepted_tokens / max(m.num_draft_tokens, 1)]], np.float32),
+                "total_accepted_draft_tokens": np.array([[m.num_accepted_tokens]], np.int32),
+                "total_draft_tokens": np.array([[m.num_draft_tokens]], np.int32)}
 
 
 def merge(responses: list[dict], pad_id: int) -> dict:

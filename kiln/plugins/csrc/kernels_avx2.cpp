@@ -1,5 +1,6 @@
-// The kernels for ATen's AVX2 capability (AVX2 + FMA + F16C): paged attention, selected at run time
-// by paged_attention.cpp, and the GEMM's float and int8-activation kernels, which gemm.cpp also
+// The kernels for ATen's AVX2 capability (AVX2 + FMA + F16C): paged attention and the sampler,
+// selected at run time by paged_attention.cpp and sampler.cpp, and the GEMM's float and
+// int8-activation kernels, which gemm.cpp also
 // runs on AVX-512 CPUs. Built into the same library as the rest, so the target options are set
 // for this file only, here: cpp_extension has one set of flags for all sources. On other
 // architectures and compilers the GEMM's AVX2 entry points forward to the DEFAULT ones (never
@@ -28,6 +29,7 @@
 #define CPU_CAPABILITY_AVX2
 #include "gemm_kernel.h"
 #include "paged_attention_kernel.h"
+#include "sampler_kernel.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #else

@@ -1,5 +1,6 @@
-// The kernel for ATen's AVX512 capability (AVX-512 F/BW/VL/DQ + AVX2 + FMA + F16C), selected at run
-// time by paged_attention.cpp; built as kernels_avx2.cpp is.
+// The kernels (paged attention, sampler) for ATen's AVX512 capability (AVX-512 F/BW/VL/DQ + AVX2
+// + FMA + F16C), selected at run time by paged_attention.cpp and sampler.cpp; built as
+// kernels_avx2.cpp is.
 #include "paged_attention_x86.h"
 
 #if KILN_X86_KERNELS
@@ -25,6 +26,7 @@
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
 #include "paged_attention_kernel.h"
+#include "sampler_kernel.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #else

@@ -32,27 +32,18 @@
 #include <limits>
 #include <type_traits>
 
+#include "vec_common.h"
+
 #include "paged_attention.h"
 
 namespace kiln {
 namespace CPU_CAPABILITY {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = Vec::size();
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // From this many query rows on, a page's scores come from its transposed K (see scores_kt).
 constexpr int64_t kTiledRows = 12;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-inline float reduce_add(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v);
-}
-
-inline float reduce_max(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, v);
-}
 
 // An fp8 e4m3 byte's bits moved into an fp16 (sign, then exponent and mantissa shifted up by 7) read
 // as the fp8 value / 256, exactly, subnormals included (a pool holds no NaN: writes clamp to +-448).

@@ -33,27 +33,17 @@
 #include <limits>
 
 #include "sampler.h"
+#include "vec_common.h"
 
 namespace kiln {
 namespace CPU_CAPABILITY {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = Vec::size();
 constexpr int kAllLanes = static_cast<int>((1ull << W) - 1);
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 // Elements summed in float (vector lanes) before the sum joins a double.
 constexpr int64_t kBlock = 8 * W;
 constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
-
-inline float reduce_add(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v);
-}
-
-inline float reduce_max(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, v);
-}
 
 // Lanes of a comparison result that hold true, as bits.
 inline int true_lanes(const Vec& mask) { return ~mask.zero_mask() & kAllLanes; }

@@ -2,9 +2,8 @@
 
 A speculating sequence (DESIGN.md) goes through the context phase with its last token and its
 draft tokens, and gets logits at every one of them. Block tables come from the KV cache manager's `block_tables` rows (one per sequence holding
-blocks, kept up to date as blocks are added): a step gathers the rows it needs, and the decode
-tokens' slots are computed from them in one tensor expression. Only prefill chunks, whose tokens
-are few per request but many per step, are laid out token by token.
+blocks, kept up to date as blocks are added): a step gathers the rows it needs. Slots come from
+each sequence's block_table list, one expression per token.
 """
 from dataclasses import dataclass, field
 
@@ -40,30 +39,33 @@ def tables_of(seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _tables(block_tables: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
+    if not rows:
+        return torch.empty((0, 1), dtype=torch.int32)
     return block_tables[:, :max(width, 1)].index_select(0, torch.tensor(rows, **I64))
 
 
 def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.Tensor) -> StepPlan:
     tpb = tokens_per_block
-    input_ids, positions = [], []
-    ctx_index, ctx_rows, ctx_lens, ctx_slots = [], [], [], []
-    gen_index, gen_rows, gen_pos = [], [], []
+    input_ids, positions, slots = [], [], []
+    ctx_index, ctx_rows, ctx_lens = [], [], []
+    gen_index, gen_rows, gen_lens = [], [], []
     logits_index = []
     plan = StepPlan(inputs={})
     for seq, n in out.scheduled:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         first = len(input_ids)
+        table = seq.block_table
         if n == 1:
             input_ids.append(seq.token_ids[start])
             positions.append(start)
+            slots.append(table[start // tpb] * tpb + start % tpb)
             gen_index.append(first)
             gen_rows.append(seq.row)
-            gen_pos.append(start)
+            gen_lens.append(start + 1)
         else:
             input_ids.extend((seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids)[start:end])
             positions.extend(range(start, end))
-            table = seq.block_table
-            ctx_slots.extend((first + p - start, table[p // tpb] * tpb + p % tpb) for p in range(start, end))
+            slots.extend(table[p // tpb] * tpb + p % tpb for p in range(start, end))
             ctx_index.append(range(first, first + n))
             ctx_rows.append(seq.row)
             ctx_lens.append(end)
@@ -90,29 +92,26 @@ def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.T
     if not logits_index:
         logits_index.append(0)  # the graph returns at least one row; nobody reads it
 
-    slot_mapping = torch.empty(len(input_ids), **I64)
-    gen_tables = _tables(block_tables, gen_rows, -(-(max(gen_pos, default=0) + 1) // tpb))
-    gen_positions = torch.tensor(gen_pos, **I64)
-    if gen_rows:
-        pages = gen_tables.gather(1, (gen_positions // tpb).unsqueeze(1)).squeeze(1).long()
-        slot_mapping[torch.tensor(gen_index, **I64)] = pages * tpb + gen_positions % tpb
-    if ctx_slots:
-        flat, slots = zip(*ctx_slots)
-        slot_mapping[torch.tensor(flat, **I64)] = torch.tensor(slots, **I64)
+    # Two host-to-tensor conversions per step (one per dtype), split into views: at batch 1 the
+    # step's host time is mostly per-op overhead, paid again on caches the engine call just evicted.
+    sizes = (len(input_ids), len(positions), len(slots), len(gen_index), len(logits_index))
+    ids, pos, slot_mapping, gen_token_index, logits = torch.tensor(
+        input_ids + positions + slots + gen_index + logits_index, **I64).split(sizes)
+    ctx_context_lens, gen_context_lens = torch.tensor(ctx_lens + gen_lens, dtype=torch.int32).split(
+        (len(ctx_lens), len(gen_lens)))
     width = max((len(r) for r in ctx_index), default=1)
-    ctx_token_index = torch.full((len(ctx_index), width), -1, **I64)
-    for i, r in enumerate(ctx_index):
-        ctx_token_index[i, :len(r)] = torch.arange(r.start, r.stop)
+    ctx_token_index = torch.tensor([list(r) + [-1] * (width - len(r)) for r in ctx_index] or [[-1]][:0],
+                                   **I64).view(len(ctx_index), width)
     plan.inputs = dict(
-        input_ids=torch.tensor(input_ids, **I64),
-        positions=torch.tensor(positions, **I64),
+        input_ids=ids,
+        positions=pos,
         slot_mapping=slot_mapping,
         ctx_token_index=ctx_token_index,
         ctx_block_tables=_tables(block_tables, ctx_rows, -(-max(ctx_lens, default=1) // tpb)),
-        ctx_context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
-        gen_token_index=torch.tensor(gen_index, **I64),
-        gen_block_tables=gen_tables,
-        gen_context_lens=(gen_positions + 1).to(torch.int32),
-        logits_index=torch.tensor(logits_index, **I64),
+        ctx_context_lens=ctx_context_lens,
+        gen_token_index=gen_token_index,
+        gen_block_tables=_tables(block_tables, gen_rows, -(-max(gen_lens, default=1) // tpb)),
+        gen_context_lens=gen_context_lens,
+        logits_index=logits,
     )
     return plan

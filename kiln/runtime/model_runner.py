@@ -1,9 +1,9 @@
 """Turns a scheduled step into the engine's flat input tensors (DESIGN.md, "The engine step").
 
 A speculating sequence (DESIGN.md) goes through the context phase with its last token and its
-draft tokens, and gets logits at every one of them. Block tables come from the KV cache manager's `block_tables` rows (one per sequence holding
-blocks, kept up to date as blocks are added): a step gathers the rows it needs. Slots come from
-each sequence's block_table list, one expression per token.
+draft tokens, and gets logits at every one of them. Block tables come from the KV cache manager's
+`block_tables` rows (one per sequence holding blocks, kept up to date as blocks are added): a step
+gathers the rows it needs. Slots come from each sequence's block_table list, one per token.
 """
 from dataclasses import dataclass, field
 
@@ -100,7 +100,7 @@ def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.T
     ctx_context_lens, gen_context_lens = torch.tensor(ctx_lens + gen_lens, dtype=torch.int32).split(
         (len(ctx_lens), len(gen_lens)))
     width = max((len(r) for r in ctx_index), default=1)
-    ctx_token_index = torch.tensor([list(r) + [-1] * (width - len(r)) for r in ctx_index] or [[-1]][:0],
+    ctx_token_index = torch.tensor([list(r) + [-1] * (width - len(r)) for r in ctx_index],
                                    **I64).view(len(ctx_index), width)
     plan.inputs = dict(
         input_ids=ids,

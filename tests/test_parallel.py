@@ -78,22 +78,30 @@ def parallel_engine(hf_model, tmp_path_factory):
     return get
 
 
-def batched_run(engine_dir) -> tuple[list[list[list[int]]], list[float]]:
+def batched_run(engine_dir) -> tuple[list[list[list[int]]], list[float], int]:
     """Every prompt at once, prompt 0 with n = 2 and prompt 3 with prompt logprobs (more logits than
-    a decode step's), in a small token budget and KV cache: (tokens per sample, prompt logprobs)."""
+    a decode step's), in a small token budget and KV cache: (tokens per sample, prompt logprobs,
+    the most steps that were in flight at once)."""
     llm = LLM(engine_dir, max_num_tokens=CHUNK, max_tokens_in_paged_kv_cache=KV_BLOCKS * TPB)
     try:
+        core = llm.llm_engine.core
+        in_flight = [1]
+        collect = getattr(core.executor, "collect", None)
+        if collect is not None:  # multi-rank: count the steps in flight each time one is collected
+            def counted():
+                in_flight.append(len(core.batch_queue) + 1)
+                return collect()
+            core.executor.collect = counted
         params = [greedy(n=2)] + [greedy()] * (len(PROMPTS) - 1)
         params[3] = greedy(prompt_logprobs=1)
         outs = llm.generate(PROMPTS, params)
-        core = llm.llm_engine.core
         lens = [len(o.prompt_token_ids) for o in outs]
         assert max(lens) > CHUNK and min(lens) < CHUNK  # mixed lengths, some chunked
         assert core.scheduler.num_preemptions > 0
         assert core.kv.pool.num_free == core.kv.pool.num_blocks
         # Each prompt token's logprob (the top-1 alternatives could swap at a near tie).
         scored = [lp[t] for t, lp in zip(outs[3].prompt_token_ids[1:], outs[3].prompt_logprobs[1:])]
-        return [[c.token_ids for c in o.outputs] for o in outs], scored
+        return [[c.token_ids for c in o.outputs] for o in outs], scored, max(in_flight)
     finally:
         llm.llm_engine.shutdown()
 
@@ -122,11 +130,36 @@ def test_same_tokens_as_one_rank(parallel_engine, reference, name, tp, pp, backe
     engine_dir = parallel_engine(name, tp, pp, backend)
     assert sorted(p.name for p in engine_dir.glob("rank*.engine")) == [f"rank{r}.engine" for r in range(tp * pp)]
     before = workers()
-    tokens, prompt_logprobs = batched_run(engine_dir)
-    want_tokens, want_logprobs = reference(name)
+    tokens, prompt_logprobs, in_flight = batched_run(engine_dir)
+    want_tokens, want_logprobs, _ = reference(name)
     assert tokens == want_tokens
     assert prompt_logprobs == pytest.approx(want_logprobs, abs=1e-4)
+    assert in_flight == pp  # pipeline parallel: a step per stage at once (the batch queue)
     wait_gone([p for p in workers() if p not in before])
+
+
+def test_abort_while_in_flight(parallel_engine, reference):
+    """PP=2: a request aborted while its step is still in the pipeline gives its blocks back at once;
+    when that step's logits come back they are dropped, and the request beside it keeps its tokens."""
+    from kiln.runtime.llm_engine import LLMEngine
+
+    want = reference("llama")[0]
+    engine = LLMEngine(parallel_engine("llama", 1, 2))
+    try:
+        core = engine.core
+        engine.add_request(PROMPTS[0], greedy(), "gone")
+        assert engine.step() == [] and len(core.batch_queue) == 1  # in the pipeline, nothing back yet
+        assert engine.abort("gone").outputs[0].finish_reason == "abort"
+        assert core.kv.pool.num_free == core.kv.pool.num_blocks
+        engine.add_request(PROMPTS[1], greedy(), "kept")
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert {o.request_id for o in outs} == {"kept"}
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == want[1][0]
+        assert core.kv.pool.num_free == core.kv.pool.num_blocks
+    finally:
+        engine.shutdown()
 
 
 def _fp8_kv(tmp_path_factory):

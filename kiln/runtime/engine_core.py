@@ -5,18 +5,23 @@ sampler, and knows nothing of text: tokenizing, detokenizing, stop strings and s
 the frontend (kiln/runtime/output_processor.py), which runs beside it in one process or talks to it
 from another (kiln/runtime/core_client.py). A request ends here by EOS, a stop token id or its
 length, or when the frontend aborts it (an abort, or a stop string the frontend found).
+
+A pipeline-parallel engine under worker processes has up to pp_size steps in flight (a batch queue,
+as vLLM v1's engine core keeps): step t + 1 is scheduled, from sequences not in step t, and
+submitted before step t's logits are collected.
 """
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from kiln.runtime.executor import make_executor
 from kiln.runtime.kv_cache_manager import KVCacheManager
-from kiln.runtime.model_runner import plan_step
+from kiln.runtime.model_runner import StepPlan, plan_step
 from kiln.runtime.sampler import SampleRow, Sampler, compute_prompt_logprobs, make_generator
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import Request, Sequence
 from kiln.runtime.spec_decode import SpeculativeConfig, make_proposer, verify
 from kiln.runtime.stats import IterationStats
@@ -136,6 +141,10 @@ class EngineCore:
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         self.spec_stats = SpecStats(accepted_per_pos=[0] * self.num_speculative_tokens) if spec else None
         self.iteration_stats = IterationStats()
+        # Steps in flight at once: one per pipeline stage where the executor can overlap them (not
+        # with a draft proposer, whose drafts need the previous step's tokens).
+        self.batch_queue_size = 1 if self.proposer else getattr(self.executor, "max_concurrent_batches", 1)
+        self.batch_queue: deque[tuple[SchedulerOutput, StepPlan, float]] = deque()
         self.requests: dict[str, Request] = {}
         self.info = EngineInfo(build, self.executor.config.pretrained_config, self.scheduler.max_batch_size,
                                self.scheduler.max_num_tokens, self.executor.num_blocks, build.tokens_per_block,
@@ -175,7 +184,7 @@ class EngineCore:
             del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.batch_queue)  # aborted requests' steps still to collect
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -190,6 +199,36 @@ class EngineCore:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        if self.batch_queue_size > 1:
+            return self._step_with_batch_queue()
+        scheduled = self._schedule()
+        if scheduled is None:
+            return EngineCoreOutputs([], self.stats())
+        out, plan, now = scheduled
+        return self._process(out, plan, self.executor.execute(plan.inputs), now)
+
+    def _step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Pipeline parallel: a step is submitted while up to pp_size - 1 others are still in the
+        stages after the first, so that every stage works on one; each is scheduled from sequences
+        not in flight, and the oldest is collected once the pipeline is full or nothing else fits."""
+        if len(self.batch_queue) < self.batch_queue_size:
+            scheduled = self._schedule()
+            if scheduled is not None:
+                for seq, _ in scheduled[0].scheduled:
+                    seq.in_flight = True
+                self.batch_queue.append(scheduled)
+                self.executor.submit(scheduled[1].inputs)
+                if len(self.batch_queue) < self.batch_queue_size:
+                    return EngineCoreOutputs([], self.stats())
+        if not self.batch_queue:
+            return EngineCoreOutputs([], self.stats())
+        out, plan, now = self.batch_queue.popleft()
+        logits = self.executor.collect()
+        for seq, _ in out.scheduled:
+            seq.in_flight = False
+        return self._process(out, plan, logits, now)
+
+    def _schedule(self) -> tuple[SchedulerOutput, StepPlan, float] | None:
         if self.proposer is not None:
             self._propose()
         out = self.scheduler.schedule()
@@ -198,13 +237,18 @@ class EngineCore:
                 seq = self.scheduler.waiting[0]
                 raise RuntimeError(f"request {seq.request.request_id} cannot be scheduled: the KV cache "
                                    f"({self.kv.pool.num_blocks} blocks) cannot hold it")
-            return EngineCoreOutputs([], self.stats())
+            return None
         now = time.monotonic()
         self.iteration_stats.record(out, self.scheduler)
-        plan = plan_step(out, self.build_config.tokens_per_block, self.kv.block_tables)
-        logits = self.executor.execute(plan.inputs)
+        return out, plan_step(out, self.build_config.tokens_per_block, self.kv.block_tables), now
+
+    def _process(self, out: SchedulerOutput, plan: StepPlan, logits: torch.Tensor, now: float) -> EngineCoreOutputs:
+        """The step's logits into tokens and outputs. A sequence aborted while its step was in
+        flight is skipped: its blocks are already back in the pool."""
         touched: dict[str, tuple[Request, EngineCoreOutput]] = {}
         for seq, n in out.scheduled:
+            if seq.finished:
+                continue
             if not seq.draft_token_ids:  # a speculating one's count waits for the verification
                 seq.num_computed_tokens += n
                 self.kv.cache_full_blocks(seq)
@@ -213,18 +257,22 @@ class EngineCore:
                 req.first_scheduled_time = now
             self._output(touched, req)
         for seq, first, rows in plan.prompt_rows:
+            if seq.finished:
+                continue
             req = seq.request
             targets = req.prompt_token_ids[first:first + len(rows)]
             new = compute_prompt_logprobs(logits[rows], targets, req.params.prompt_logprobs)
             req.prompt_logprobs.extend(new)
             self._output(touched, req).new_prompt_logprobs = new
         for seq, rows in plan.context_rows:
+            if seq.finished:
+                continue
             req = seq.request
             req.context_logits = logits[rows] if req.context_logits is None else torch.cat([req.context_logits,
                                                                                            logits[rows]])
             if len(req.context_logits) == req.num_prompt_tokens:
                 self._output(touched, req).context_logits = req.context_logits
-        self._sample(plan.sample, logits, touched)
+        self._sample([(seq, row) for seq, row in plan.sample if not seq.finished], logits, touched)
         self._verify(plan.verify, logits, touched)
         for req, o in touched.values():
             o.finished, o.first_token_time, o.num_cached_tokens = req.finished, req.first_token_time, req.num_cached_tokens

@@ -3,8 +3,10 @@
 The engine core's process schedules and sends each step once: the encoded inputs go into a
 shared-memory ring that every worker maps, and one byte down each worker's wake pipe says a message
 is there. The rank that returns the logits (the last stage's tp rank 0) writes them into a second
-ring and says so on its reply pipe. The ranks' collectives and stage sends run among the workers
-(kiln/runtime/distributed.py), rendezvousing through a TCP store this process hosts.
+ring and says so on its reply pipe. With pipeline parallelism up to pp_size steps are in flight
+(`submit` / `collect`, the engine core's batch queue), so that each stage works on a different one.
+The ranks' collectives and stage sends run among the workers (kiln/runtime/distributed.py),
+rendezvousing through a TCP store this process hosts.
 
 A worker that dies closes its reply pipe: the executor notices while waiting for a step (and the
 engine core's idle loop waits on `sentinels` too), kills the other workers and raises a sticky
@@ -38,16 +40,22 @@ class MultiprocExecutor:
         p, b = self.config.pretrained_config, self.config.build_config
         world = p.mapping.world_size
         self.result_rank = (p.mapping.pp_size - 1) * p.mapping.tp_size
+        # Steps in flight at once: one per pipeline stage. Each ring holds that many messages.
+        self.max_concurrent_batches = p.mapping.pp_size
         self.dead: EngineDeadError | None = None
         self._copies: list[tuple[int, int]] = []
         self._sent = 0
+        self._collected = 0
+        self._pending = 0  # steps submitted and not collected
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
         # A step's inputs: token-sized, [Sc, Qmax] (Sc * Qmax <= batch * tokens) and block tables.
         T, B, MB = b.max_num_tokens, b.max_batch_size, b.max_blocks_per_seq
-        self.steps = ShmRing.create("steps", 2, 8 * (6 * T + B * T + 2 * B * MB + 8 * B) + (64 << 10))
+        self.steps = ShmRing.create("steps", max(2, self.max_concurrent_batches),
+                                    8 * (6 * T + B * T + 2 * B * MB + 8 * B) + (64 << 10))
         # Logits of a batch of decodes; more (prompt logprobs) come through the reply pipe.
-        self.results = ShmRing.create("logits", 1, 4 * max(B, 16) * p.vocab_size + (16 << 10))
+        self.results = ShmRing.create("logits", self.max_concurrent_batches,
+                                      4 * max(B, 16) * p.vocab_size + (16 << 10))
         self.procs: list[subprocess.Popen] = []
         self.wakes: list[int] = []
         self.replies: list[Connection] = []
@@ -146,17 +154,30 @@ class MultiprocExecutor:
         if self.dead is not None:
             raise self.dead
         for rank in range(len(self.procs)):
+            if rank == self.result_rank and self._pending:
+                continue  # what it sent may be a result: collect() reads it, or the error in its place
             if self.replies[rank].poll():
                 message = self._recv(rank)
                 raise self._fail(message[2] if message[0] == "error" else f"rank {rank} sent {message[0]!r}")
 
     def execute(self, inputs: dict) -> torch.Tensor:
+        self.submit(inputs)
+        return self.collect()
+
+    def submit(self, inputs: dict) -> None:
+        """Send a step without waiting for it: at most max_concurrent_batches uncollected."""
         self.check()
         if self._copies:
             inputs = {**inputs, "copy_blocks": torch.tensor(self._copies, dtype=torch.int64)}
             self._copies = []
         self._broadcast("step", inputs)
-        return self._result()
+        self._pending += 1
+
+    def collect(self) -> torch.Tensor:
+        """The logits of the oldest step submitted and not yet collected."""
+        logits = self._result()
+        self._pending -= 1
+        return logits
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._copies.extend(pairs)  # done by every rank before the next step, which first reads them
@@ -177,7 +198,8 @@ class MultiprocExecutor:
                 rank = self.replies.index(conn)
                 message = self._recv(rank)
                 if message[0] == "result" and rank == self.result_rank:
-                    return (self.results.read(0) if message[1] is None else decode(message[1]))[1]["logits"]
+                    n, self._collected = self._collected, self._collected + 1
+                    return (self.results.read(n) if message[1] is None else decode(message[1]))[1]["logits"]
                 raise self._fail(message[2] if message[0] == "error" else f"rank {rank} sent {message[0]!r}")
 
     def shutdown(self) -> None:

@@ -9,6 +9,9 @@ Policies (TensorRT-LLM's names):
   preempt the most recently admitted sequence (free its blocks, recompute it later).
 - `guaranteed_no_evict`: admit only when blocks for the whole sequence (prompt + max_tokens, for
   each of its n samples) can be reserved; never preempts.
+
+A sequence in a step still in flight (pipeline parallel: the engine core keeps up to pp_size steps
+in flight) is neither scheduled nor preempted until that step's tokens are back.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -54,6 +57,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_batch_size:
             seq = self.running[i]
+            if seq.in_flight:
+                i += 1
+                continue
             if seq.draft_token_ids:  # the last token and the drafts, if they fit without evicting anyone
                 n = 1 + len(seq.draft_token_ids)
                 if n <= budget and self.kv.allocate_slots(seq, n, held):
@@ -67,8 +73,9 @@ class Scheduler:
             while not self.kv.allocate_slots(seq, n, held + headroom):
                 if self.policy == "guaranteed_no_evict":  # admission reserved every block it needs
                     raise RuntimeError(f"KV cache reservation broken for request {seq.request.request_id}")
-                # The latest admitted goes first; it is never one already scheduled in this step.
-                victim = self.running[-1]
+                # The latest admitted not in flight goes first: at worst seq itself, so never one
+                # already scheduled in this step.
+                victim = next(s for s in reversed(self.running) if not s.in_flight)
                 self._preempt(victim, out)
                 if victim is seq:
                     break

@@ -29,6 +29,7 @@ class Sequence:
     num_cached_blocks: int = 0  # leading blocks of block_table that are in the prefix cache
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for this step, to be verified
     reserved_blocks: int = 0  # guaranteed_no_evict: blocks promised but not yet taken
+    in_flight: bool = False  # in a step submitted and not yet collected (pipeline parallel's batch queue)
     finish_reason: str | None = None
 
     @property

@@ -7,7 +7,7 @@ JSON header and the tensors' bytes: nothing is unpickled, so a message from anot
 `ShmRing` is a file under /dev/shm that the writer maps and each reader maps too: the writer puts
 message n into slot n % slots and wakes the readers through their pipes (the pipe write orders the
 slot's bytes before the reader's read); each reader copies the tensors out. The caller keeps at most
-`slots` messages unread, which the executors do by never sending a step before the last one's result.
+`slots` messages unread, which the executors do by never having more steps than that uncollected.
 """
 import json
 import mmap

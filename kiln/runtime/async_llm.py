@@ -53,8 +53,7 @@ class AsyncLLM:
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields a RequestOutput (cumulative text and tokens) each step the request advances (or, for
-        a caller slower than the engine, the newest output when it asks).
+        """Yields a RequestOutput (cumulative text and tokens) each step the request advances.
         Closing the iterator early (or cancelling its task) aborts the request."""
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
         queue: asyncio.Queue = asyncio.Queue()
@@ -71,11 +70,6 @@ class AsyncLLM:
             self.client.add_request(core_request)
             while not finished:
                 out = await queue.get()
-                # Outputs are cumulative: a stream that fell behind skips to its newest one (as
-                # vLLM's output collector does), so a busy server pays one event per wake-up,
-                # not one per token, and the tokens it streams are the same.
-                while not queue.empty() and not isinstance(out, BaseException) and not out.finished:
-                    out = queue.get_nowait()
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished

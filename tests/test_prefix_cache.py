@@ -124,8 +124,8 @@ def test_shared_system_prompt_is_computed_once(engine_dir):
     computed = []
     schedule = cached.llm_engine.core.scheduler.schedule
 
-    def counting():
-        out = schedule()
+    def counting(*args):
+        out = schedule(*args)
         computed.extend(n for seq, n in out.scheduled if seq.num_computed_tokens < seq.request.num_prompt_tokens)
         return out
 

@@ -202,8 +202,8 @@ def test_chunked_prefill_same_tokens(chunked_llm, reference, monkeypatch):
     steps = []
     schedule = engine.core.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(*args):
+        out = schedule(*args)
         steps.append([(seq.request.request_id, seq.num_computed_tokens, n, seq.request.num_prompt_tokens)
                       for seq, n in out.scheduled])
         return out
@@ -627,8 +627,13 @@ def test_dead_engine_core_is_a_sticky_error(engine_dir):
         gen = a.generate(PROMPTS[0], greedy(room(a, PROMPTS[0])))
         await gen.__anext__()
         os.kill(a.client.pid, signal.SIGKILL)
+
+        async def drain():  # outputs of steps done before the kill come first, then the error
+            while True:
+                await gen.__anext__()
+
         with pytest.raises(EngineDeadError, match="died"):
-            await asyncio.wait_for(gen.__anext__(), 10)
+            await asyncio.wait_for(drain(), 10)
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(a.generate(PROMPTS[1], greedy()).__anext__(), 10)
 

@@ -212,7 +212,10 @@ class EngineCore:
         stages after the first, so that every stage works on one; each is scheduled from sequences
         not in flight, and the oldest is collected once the pipeline is full or nothing else fits."""
         if len(self.batch_queue) < self.batch_queue_size:
-            scheduled = self._schedule()
+            # An even share of the sequences per micro-batch: one step holding them all would leave
+            # the other stages idle until it is back.
+            active = len(self.scheduler.running) + len(self.scheduler.waiting)
+            scheduled = self._schedule(max_seqs=-(-active // self.batch_queue_size))
             if scheduled is not None:
                 for seq, _ in scheduled[0].scheduled:
                     seq.in_flight = True
@@ -228,10 +231,10 @@ class EngineCore:
             seq.in_flight = False
         return self._process(out, plan, logits, now)
 
-    def _schedule(self) -> tuple[SchedulerOutput, StepPlan, float] | None:
+    def _schedule(self, max_seqs: int | None = None) -> tuple[SchedulerOutput, StepPlan, float] | None:
         if self.proposer is not None:
             self._propose()
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(max_seqs)
         if not out.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
                 seq = self.scheduler.waiting[0]

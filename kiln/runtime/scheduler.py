@@ -50,12 +50,14 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.extend(request.sequences)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """max_seqs: fewer sequences than max_batch_size in this step (a pipeline's micro-batch)."""
         out = SchedulerOutput()
         budget = self.max_num_tokens
+        limit = self.max_batch_size if max_seqs is None else min(max_seqs, self.max_batch_size)
         held = 0  # blocks kept free for the forks of sequences scheduled earlier in this step
         i = 0
-        while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_batch_size:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < limit:
             seq = self.running[i]
             if seq.in_flight:
                 i += 1
@@ -88,7 +90,7 @@ class Scheduler:
             return out
         # Batch slots taken: a running request that has not forked yet will hold n of them.
         occupied = sum(1 if s.request.forked else s.request.params.n for s in self.running)
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and len(out.scheduled) < limit:
             seq = self.waiting[0]
             width = 1 if seq.request.forked else seq.request.params.n
             if occupied + width > self.max_batch_size:

@@ -162,6 +162,26 @@ def test_abort_while_in_flight(parallel_engine, reference):
         engine.shutdown()
 
 
+def test_micro_batches_share_the_batch(parallel_engine):
+    """PP=2 with more requests waiting than the batch holds: each step in flight takes half the
+    batch, so that the second stage has a step of its own to work on."""
+    from kiln.runtime.llm_engine import LLMEngine
+
+    engine = LLMEngine(parallel_engine("llama", 1, 2), max_batch_size=4)
+    try:
+        core = engine.core
+        for i in range(10):
+            engine.add_request({"prompt_token_ids": [5 + i, 6, 7]}, greedy(max_tokens=3))
+        sizes = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            sizes.append([len(out.scheduled) for out, _, _ in core.batch_queue])
+        assert sizes[0] == [2] and sizes[1] == [2]  # the first two steps: 2 of the 4 batch slots each
+        assert max(len(s) for s in sizes) == 1 and core.kv.pool.num_free == core.kv.pool.num_blocks
+    finally:
+        engine.shutdown()
+
+
 def _fp8_kv(tmp_path_factory):
     require(*MODELOPT)
     from kiln.convert.quantize.pipeline import QuantOptions

@@ -212,9 +212,9 @@ class EngineCore:
         stages after the first, so that every stage works on one; each is scheduled from sequences
         not in flight, and the oldest is collected once the pipeline is full or nothing else fits."""
         if len(self.batch_queue) < self.batch_queue_size:
-            # An even share of the sequences per micro-batch: one step holding them all would leave
-            # the other stages idle until it is back.
-            active = len(self.scheduler.running) + len(self.scheduler.waiting)
+            # An even share of the batch per micro-batch: one step holding it all would leave the
+            # other stages idle until it is back.
+            active = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.scheduler.max_batch_size)
             scheduled = self._schedule(max_seqs=-(-active // self.batch_queue_size))
             if scheduled is not None:
                 for seq, _ in scheduled[0].scheduled:

@@ -1,6 +1,7 @@
 """HF model dir -> TensorRT-LLM unified checkpoint dir (`convert_checkpoint`).
 
-hf: reading HF config and safetensors; shard: TensorRT-LLM names and TP/PP splits;
+hf: reading HF config and safetensors; layout: the linears' shapes and TP splits; shard: TensorRT-LLM
+names and TP/PP splits of the tensors;
 writer: staging and writing the checkpoint dir; cli: the command and `convert_checkpoint()`;
 quantize: --qformat/--kv_cache_dtype (round-to-nearest, ModelOpt, GPTQ) and the accuracy report.
 """

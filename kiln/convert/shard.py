@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from kiln.config import PretrainedConfig
+from kiln.convert.layout import COLUMN_PARALLEL, ROW_PARALLEL, kv_head_range, linear_shapes, output_ranges
 
 # A builder takes the open HF weights (kiln.convert.hf.HFWeights) and returns one rank tensor.
 Builder = Callable[[object], torch.Tensor]
@@ -76,16 +77,6 @@ def _whole(name: str, src) -> torch.Tensor:
 def _split(name: str, dim: int, size: int, tp: int, tp_rank: int, src) -> torch.Tensor:
     part = size // tp
     return src.read(name, dim, tp_rank * part, (tp_rank + 1) * part)
-
-
-def kv_head_range(cfg: PretrainedConfig, tp_rank: int) -> range:
-    """The KV heads a tp rank holds: an even split, or one replicated head when tp > kv_heads."""
-    tp, kv = cfg.mapping.tp_size, cfg.num_key_value_heads
-    if tp <= kv:
-        per = kv // tp
-        return range(tp_rank * per, (tp_rank + 1) * per)
-    head = tp_rank // (tp // kv)
-    return range(head, head + 1)
 
 
 def _qkv(cfg: PretrainedConfig, i: int, tp_rank: int, kind: str, src) -> torch.Tensor:
@@ -160,9 +151,6 @@ def rank_plan(cfg: PretrainedConfig, rank: int) -> list[tuple[str, Builder]]:
 # ---------------------------------------------------------------------------------------------
 # splitting a whole (tp 1) checkpoint's tensors, quantized ones included
 
-COLUMN_PARALLEL = ("attention.qkv", "mlp.fc", "mlp.gate")
-ROW_PARALLEL = ("attention.dense", "mlp.proj")
-
 
 def _rows(t: torch.Tensor, ranges: list[tuple[int, int]], out: int) -> torch.Tensor:
     """Output rows [a, b) of each range, of a tensor holding `out` rows in t.shape[0] (a packed int4
@@ -171,26 +159,11 @@ def _rows(t: torch.Tensor, ranges: list[tuple[int, int]], out: int) -> torch.Ten
     return torch.cat([t[int(a * per):int(b * per)] for a, b in ranges])
 
 
-def output_ranges(cfg: PretrainedConfig, linear: str, tp_rank: int) -> list[tuple[int, int]]:
-    """The output rows of a column-parallel linear that tp rank `tp_rank` holds."""
-    tp, hd = cfg.mapping.tp_size, cfg.head_size
-    if linear == "attention.qkv":
-        q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-        per_q, kv = cfg.heads_per_rank * hd, kv_head_range(cfg, tp_rank)
-        return [(tp_rank * per_q, (tp_rank + 1) * per_q),
-                (q_out + kv.start * hd, q_out + kv.stop * hd),
-                (q_out + kv_out + kv.start * hd, q_out + kv_out + kv.stop * hd)]
-    part = cfg.intermediate_size // tp
-    return [(tp_rank * part, (tp_rank + 1) * part)]
-
-
 def shard_tensor(cfg: PretrainedConfig, name: str, t: torch.Tensor, tp_rank: int) -> torch.Tensor:
     """Tensor `name` of the whole checkpoint (tp 1, any quant_algo) -> tp rank `tp_rank`'s part,
     laid out as rank_plan lays out plain tensors. Per-tensor scales (one value) are replicated;
     per-channel and per-group scales, packed int4 rows and pre-quant scales split with the
     dimension they belong to."""
-    from kiln.convert.quantize.formats import linear_shapes
-
     tp = cfg.mapping.tp_size
     if tp == 1:
         return t

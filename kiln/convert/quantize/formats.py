@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.config import ConfigError, PretrainedConfig, QuantConfig
+from kiln.convert.layout import linear_shapes, output_ranges
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,6 @@ LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
 
 def linear_prefixes(cfg: PretrainedConfig) -> list[str]:
     return [f"transformer.layers.{i}.{p}" for i in range(cfg.num_hidden_layers) for p in LINEARS]
-
-
-def linear_shapes(cfg: PretrainedConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of every quantized linear of one layer, by its TensorRT-LLM name."""
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    q_out, kv_out = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size
-    return {"attention.qkv": (q_out + 2 * kv_out, h), "attention.dense": (h, q_out),
-            "mlp.fc": (inter, h), "mlp.gate": (inter, h), "mlp.proj": (h, inter)}
 
 
 def rank_inputs(cfg: PretrainedConfig) -> dict[str, int]:
@@ -128,8 +121,6 @@ def check_options(cfg: PretrainedConfig, qformat: str | None, kv_cache_dtype: st
     tp = cfg.mapping.tp_size
     if tp == 1:
         return
-    from kiln.convert.shard import output_ranges
-
     for name, inp in rank_inputs(cfg).items():
         if inp % group_size:
             raise ConfigError(f"--group_size {group_size} does not divide the input dimension {inp} that each of "

@@ -44,7 +44,7 @@ def rank_main(rank: int, port: int, args) -> None:
 
     from kiln.models.parallel import TP_GROUP
     from kiln.plugins import cpp
-    from kiln.runtime.distributed import _register
+    from kiln.runtime.executor.distributed import _register
 
     torch.set_num_threads(1)
     cpp.load()

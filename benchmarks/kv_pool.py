@@ -8,14 +8,14 @@ each, with the ratio to the smallest pool.
 import argparse
 import time
 
-from kiln.runtime.engine import Engine
-from kiln.runtime.model_runner import plan_step, tables_of
+from kiln.engine.loader import RankEngine
+from kiln.runtime.core.step_plan import plan_step, tables_of
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import SchedulerOutput
-from kiln.runtime.sequence import Request, Sequence
+from kiln.runtime.core.scheduler import SchedulerOutput
+from kiln.runtime.core.request import Request, Sequence
 
 
-def decode_step_ms(engine: Engine, context: int, steps: int) -> float:
+def decode_step_ms(engine: RankEngine, context: int, steps: int) -> float:
     bs = engine.config.build_config.tokens_per_block
     req = Request("r", list(range(3, 3 + context)), SamplingParams(), 1)
     seq = Sequence(req, 0, list(req.prompt_token_ids))
@@ -40,7 +40,7 @@ def main():
     base = None
     print(f"{'pool tokens':>12} {'pool MB':>10} {'step ms':>10} {'ratio':>8}")
     for tokens in args.pool_tokens:
-        engine = Engine(args.engine_dir, max_tokens_in_paged_kv_cache=tokens)
+        engine = RankEngine(args.engine_dir, max_tokens_in_paged_kv_cache=tokens)
         ms = decode_step_ms(engine, args.context, args.steps)
         base = base or ms
         mb = engine.kv_cache.numel() * engine.kv_cache.element_size() / 2**20

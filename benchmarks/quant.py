@@ -53,7 +53,7 @@ INT8_ACT_KERNELS = ("avx512_vnni", "avx2_int8", "portable_int8")
 
 
 def engine_perplexity(engine_dir: Path, files: list[Path], chars: int, kernel: str | None = None) -> float:
-    """Perplexity through the engine (kiln.runtime.perplexity, windows of 256 tokens) of the first
+    """Perplexity through the engine (kiln.runtime.frontend.perplexity, windows of 256 tokens) of the first
     `chars` characters of the evaluation files; kernel: every GEMM forced onto it (KILN_GEMM_KERNEL,
     in a subprocess), so that int8 activations are scored at every token count, not only where the
     tactics picked them."""
@@ -65,7 +65,7 @@ def engine_perplexity(engine_dir: Path, files: list[Path], chars: int, kernel: s
                              capture_output=True, text=True, check=True)
         return float(out.stdout.strip().splitlines()[-1])
     from kiln import LLM
-    from kiln.runtime.perplexity import perplexity
+    from kiln.runtime.frontend.perplexity import perplexity
 
     text = "".join(Path(f).read_text() for f in files)[:chars]
     return perplexity(LLM(engine_dir), [text], 256).perplexity

@@ -63,7 +63,8 @@ def main():
     args = ap.parse_args()
 
     from kiln import SamplingParams
-    from kiln.runtime.sampler import SampleRow, Sampler
+    from kiln.runtime.core.sample.rows import SampleRow
+    from kiln.runtime.core.sample.sampler import Sampler
 
     torch.set_num_threads(args.threads)
     samplers = {"torch": Sampler("torch"), "cpp": Sampler("cpp")}

@@ -21,7 +21,7 @@ SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1)
 
 def profile(engine, batch: int, input_len: int, steps: int, **sampling) -> dict[str, float]:
     from kiln import SamplingParams
-    from kiln.runtime import engine_core as mod
+    from kiln.runtime.core import engine_core as mod
 
     core = engine.core
     vocab = engine.model_config.vocab_size
@@ -84,8 +84,8 @@ def main():
     ap.add_argument("--sampler", default=None, choices=["auto", "cpp", "torch"], help="the Sampler backend")
     args = ap.parse_args()
 
-    from kiln.runtime.llm_engine import LLMEngine
-    from kiln.runtime.sampler import Sampler
+    from kiln.runtime.frontend.llm_engine import LLMEngine
+    from kiln.runtime.core.sample.sampler import Sampler
     from kiln.utils import cpu_summary
 
     print(cpu_summary())

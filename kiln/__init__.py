@@ -7,7 +7,8 @@ __all__ = ["__version__", "LLM", "AsyncLLM", "SamplingParams"]
 def __getattr__(name):
     # The runtime pulls in torch and transformers; keep `import kiln` (and CLI --help) light.
     if name in ("LLM", "AsyncLLM", "SamplingParams"):
-        from kiln.runtime import llm, sampling_params, async_llm
+        from kiln.runtime import sampling_params
+        from kiln.runtime.frontend import async_llm, llm
         return {"LLM": llm.LLM, "AsyncLLM": async_llm.AsyncLLM,
                 "SamplingParams": sampling_params.SamplingParams}[name]
     raise AttributeError(name)

@@ -37,8 +37,8 @@ def eval_ppl(engine_dir, files, more_files, max_len, threads):
     """Perplexity of text files through the engine (prompt log-probabilities, in windows)."""
     from pathlib import Path
 
-    from kiln.runtime.llm import LLM
-    from kiln.runtime.perplexity import max_window, perplexity
+    from kiln.runtime.frontend.llm import LLM
+    from kiln.runtime.frontend.perplexity import max_window, perplexity
 
     try:
         llm = LLM(engine_dir, threads=threads)
@@ -72,7 +72,7 @@ def eval_ppl(engine_dir, files, more_files, max_len, threads):
               help="Prompts that share a prefix compute it once.")
 def run(engine_dir, prompts, threads, stop, enable_prefix_caching, **sampling):
     """Generate from an engine dir, streaming each prompt's text to the terminal."""
-    from kiln.runtime.llm_engine import LLMEngine
+    from kiln.runtime.frontend.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     try:

@@ -5,7 +5,7 @@
 
 Rank 0 runs the kiln command given (`serve`, `run`, `eval-ppl`: the frontend and the engine core,
 which runs rank 0's engine); every other rank loads its rank engine and runs the steps rank 0
-broadcasts (kiln/runtime/torchrun_executor.py). Launch exactly as many ranks as the engine has
+broadcasts (kiln/runtime/executor/torchrun.py). Launch exactly as many ranks as the engine has
 (tp_size x pp_size). Ranks on one node all-reduce through shared memory, across nodes through gloo.
 """
 import os
@@ -32,11 +32,11 @@ def main(argv: list[str] | None = None) -> int:
               f"\n{USAGE}", file=sys.stderr)
         return 2
     if int(os.environ["RANK"]) != 0:
-        from kiln.runtime.torchrun_executor import serve_rank
+        from kiln.runtime.executor.torchrun import serve_rank
 
         return serve_rank(engine_dir)
     from kiln.cli import cli
-    from kiln.runtime.executor import EXECUTOR_ENV
+    from kiln.runtime.executor.factory import EXECUTOR_ENV
 
     os.environ[EXECUTOR_ENV] = "torchrun"  # for the engine core, in this process or the one it starts
     return cli.main(args=argv, prog_name="kiln", standalone_mode=True)

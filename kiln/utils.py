@@ -27,6 +27,13 @@ def replace_dir(new: Path, dst: Path) -> None:
         os.replace(new, dst)
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a `python -m kiln...` child process: this process's, with the kiln package
+    it runs first on PYTHONPATH, so that the child imports the same code, installed or not."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1])] + paths))
+
+
 def progress(**kwargs):
     return tqdm(file=sys.stderr, disable=kwargs.pop("disable", None), **kwargs)
 

@@ -105,10 +105,10 @@ def test_grace_period_covers_the_drain(pod, container):
 
 
 def test_engines_unpack_into_a_bounded_emptydir(pod, container, monkeypatch):
-    """The server unpacks its engine under $KILN_CACHE_DIR/extracted (kiln/runtime/extraction.py):
+    """The server unpacks its engine under $KILN_CACHE_DIR/extracted (kiln/engine/extraction.py):
     the pod mounts an emptyDir with a size limit exactly there, not over the image's cache root,
     which holds the C++ plugin library built into the image."""
-    from kiln.runtime import extraction
+    from kiln.engine import extraction
 
     cache_root = re.search(r"\bKILN_CACHE_DIR=(\S+)", dockerfile()["ENV"]).group(1)
     monkeypatch.setenv("KILN_CACHE_DIR", cache_root)

@@ -7,10 +7,10 @@ import torch
 import transformers
 
 from kiln import LLM, SamplingParams
-from kiln.runtime.engine import Engine
-from kiln.runtime.model_runner import plan_step, tables_of
-from kiln.runtime.scheduler import SchedulerOutput
-from kiln.runtime.sequence import Request, Sequence
+from kiln.engine.loader import RankEngine
+from kiln.runtime.core.step_plan import plan_step, tables_of
+from kiln.runtime.core.scheduler import SchedulerOutput
+from kiln.runtime.core.request import Request, Sequence
 from tiny_models import PROMPTS
 
 NEW_TOKENS = 24
@@ -37,13 +37,12 @@ def hf_greedy(model, prompt_ids: list[int]) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def engine_logits(engine: Engine, token_lists: list[list[int]]) -> list[torch.Tensor]:
+def engine_logits(engine: RankEngine, token_lists: list[list[int]]) -> list[torch.Tensor]:
     """Logits at every position of each sequence, the sequences prefilled together in one step."""
     bs = engine.config.build_config.tokens_per_block
     out, next_block = SchedulerOutput(), 0
     for tokens in token_lists:
         req = Request("r", tokens, SamplingParams(prompt_logprobs=0), len(tokens))
-        req.prompt_logprobs = [None]
         seq = Sequence(req, 0, list(tokens))
         nblocks = -(-len(tokens) // bs)
         seq.block_table = list(range(next_block, next_block + nblocks))
@@ -100,7 +99,7 @@ def test_greedy_matches_hf(name, backend, overrides, engine, hf_models, capsys):
     sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     if name == "llama_dynamic":
         sequences = [s[:model.config.max_position_embeddings] for s in sequences]  # HF rescales per call
-    runner = Engine(engine_dir, max_tokens_in_paged_kv_cache=4096)
+    runner = RankEngine(engine_dir, max_tokens_in_paged_kv_cache=4096)
     ours = engine_logits(runner, sequences[:2]) + [engine_logits(runner, [s])[0] for s in sequences[2:]]
     worst = 0.0
     for seq, got in zip(sequences, ours):
@@ -124,7 +123,7 @@ def test_batch_1_engine_with_few_blocks_per_sequence(engine, hf_models):
 
 def test_aoti_engine_writes_the_pool_in_place(engine):
     """The compiled step updates the KV pool passed in; it neither copies nor replaces it."""
-    runner = Engine(engine("llama", "aoti"), max_tokens_in_paged_kv_cache=256)
+    runner = RankEngine(engine("llama", "aoti"), max_tokens_in_paged_kv_cache=256)
     pool, ptr = runner.kv_cache, runner.kv_cache.data_ptr()
     req = Request("r", list(range(3, 20)), SamplingParams(), 1)
     seq = Sequence(req, 0, list(req.prompt_token_ids))

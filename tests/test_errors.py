@@ -19,7 +19,7 @@ from kiln.build.builder import build_engine
 from kiln.build.cli import main as build_main
 from kiln.cli import cli as kiln_main
 from kiln.config import BuildConfig, ConfigError
-from kiln.runtime.llm import LLM
+from kiln.runtime.frontend.llm import LLM
 from kiln.runtime.sampling_params import SamplingParams
 
 BIN = Path(sys.executable).parent

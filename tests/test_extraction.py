@@ -1,4 +1,4 @@
-"""Loading an aoti engine leaves nothing behind (kiln/runtime/extraction.py): each process unpacks
+"""Loading an aoti engine leaves nothing behind (kiln/engine/extraction.py): each process unpacks
 its engine once into its own folder under $KILN_CACHE_DIR/extracted, runs from it, and that folder
 goes on every exit Kiln controls; what a SIGKILL leaves, the next process sweeps, never touching a
 live process's folder. Nothing lands in $TMPDIR.
@@ -26,8 +26,8 @@ import pytest
 from kiln import LLM
 from kiln.config import ConfigError
 from kiln.plugins import cpp
-from kiln.runtime import extraction
-from kiln.runtime.engine import Engine
+from kiln.engine import extraction
+from kiln.engine.loader import RankEngine
 
 KILN = Path(sys.executable).parent / "kiln"
 
@@ -75,7 +75,7 @@ class Server:
                 if self.http.get("/health", timeout=2).status_code == 200:
                     # the engine runs in the server's engine-core process
                     (self.core,) = [c for c in psutil.Process(self.proc.pid).children()
-                                    if "kiln.runtime.core_client" in c.cmdline()]
+                                    if "kiln.runtime.core.engine_core" in c.cmdline()]
                     self.folder = process_folder(area(self.env), self.core.pid)
                     return self
             except httpx.TransportError:
@@ -240,10 +240,10 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def load(done=None, then="return"):
-    from kiln.runtime import extraction
-    from kiln.runtime.engine import Engine
+    from kiln.engine import extraction
+    from kiln.engine.loader import RankEngine
 
-    engine = Engine(sys.argv[2], max_tokens_in_paged_kv_cache=64)
+    engine = RankEngine(sys.argv[2], max_tokens_in_paged_kv_cache=64)
     folder = extraction.process_folder()
     assert [p.name.split(".")[:2] for p in folder.iterdir() if p.name != "lock"] == [["rank0", "engine"]]
     print(folder, flush=True)
@@ -311,7 +311,7 @@ def test_an_engine_failing_to_load_or_released_leaves_nothing(engine_dir, env, t
         for item in src.infolist():
             dst.writestr(item, b"garbage" if item.filename.endswith(".so") else src.read(item))
     with pytest.raises(ConfigError, match="is not a loadable aoti engine"):
-        Engine(broken)
+        RankEngine(broken)
     folder = extraction.process_folder()
     assert [p.name for p in folder.iterdir()] == ["lock"]
 

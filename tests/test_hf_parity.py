@@ -20,7 +20,7 @@ from kiln import LLM, SamplingParams
 from kiln.build.builder import build_engine
 from kiln.config import BuildConfig
 from kiln.convert.cli import convert_checkpoint
-from kiln.runtime.engine import Engine
+from kiln.engine.loader import RankEngine
 from published_models import NEW_TOKENS, PUBLISHED, read_oracle, write_oracle
 from test_e2e import engine_logits
 
@@ -96,7 +96,7 @@ def test_greedy_matches_hf(name, backend, oracles, engines, capsys):
     assert all(o.outputs[0].text == "" for o in outs)
     generated = [o.outputs[0].token_ids for o in outs]
     # Logits along the generated paths, all prompts prefilled in one step, against HF's per step.
-    ours = engine_logits(Engine(engine_dir, max_tokens_in_paged_kv_cache=4096),
+    ours = engine_logits(RankEngine(engine_dir, max_tokens_in_paged_kv_cache=4096),
                          [p + g for p, g in zip(prompts, generated)])
     ours = [got[len(p) - 1:len(p) - 1 + NEW_TOKENS] for p, got in zip(prompts, ours)]
     for version, by_name in sorted(oracles.items()):

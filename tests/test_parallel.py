@@ -6,7 +6,7 @@ middle of a step makes LLM, AsyncLLM and kiln serve fail with EngineDeadError in
 no process behind; a rank that cannot load fails the start with its message.
 
 Engines are the tiny models of tests/tiny_models.py; the multi-rank ones run their ranks in worker
-processes (kiln/runtime/multiproc_executor.py), whose start dominates these tests' time, so each
+processes (kiln/runtime/executor/multiproc.py), whose start dominates these tests' time, so each
 configuration starts once. States are reached deterministically (a worker stopped with SIGSTOP
 holds the step in flight) and waited for with bounded polls."""
 import asyncio
@@ -28,8 +28,8 @@ from kiln import LLM, AsyncLLM, SamplingParams
 from kiln.build.builder import build_engine
 from kiln.config import BuildConfig, ConfigError
 from kiln.convert.cli import convert_checkpoint
-from kiln.runtime.core_client import EngineDeadError
-from kiln.runtime.multiproc_executor import MultiprocExecutor
+from kiln.runtime.messages import EngineDeadError
+from kiln.runtime.executor.multiproc import MultiprocExecutor
 from tiny_models import PROMPTS, corpus
 
 TPB = TEST_BUILD["tokens_per_block"]
@@ -48,7 +48,7 @@ def workers(of: int | None = None) -> list[psutil.Process]:
     found = []
     for p in psutil.Process(of).children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "kiln.runtime.worker" in " ".join(p.cmdline()):
+            if p.status() != psutil.STATUS_ZOMBIE and "kiln.runtime.executor.worker" in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.NoSuchProcess:
             pass
@@ -97,7 +97,7 @@ def batched_run(engine_dir) -> tuple[list[list[list[int]]], list[float], int]:
         outs = llm.generate(PROMPTS, params)
         lens = [len(o.prompt_token_ids) for o in outs]
         assert max(lens) > CHUNK and min(lens) < CHUNK  # mixed lengths, some chunked
-        assert core.scheduler.num_preemptions > 0
+        assert core.scheduler.counters.num_preemptions > 0
         assert core.kv.pool.num_free == core.kv.pool.num_blocks
         # Each prompt token's logprob (the top-1 alternatives could swap at a near tie).
         scored = [lp[t] for t, lp in zip(outs[3].prompt_token_ids[1:], outs[3].prompt_logprobs[1:])]
@@ -141,7 +141,7 @@ def test_same_tokens_as_one_rank(parallel_engine, reference, name, tp, pp, backe
 def test_abort_while_in_flight(parallel_engine, reference):
     """PP=2: a request aborted while its step is still in the pipeline gives its blocks back at once;
     when that step's logits come back they are dropped, and the request beside it keeps its tokens."""
-    from kiln.runtime.llm_engine import LLMEngine
+    from kiln.runtime.frontend.llm_engine import LLMEngine
 
     want = reference("llama")[0]
     engine = LLMEngine(parallel_engine("llama", 1, 2))
@@ -165,7 +165,7 @@ def test_abort_while_in_flight(parallel_engine, reference):
 def test_micro_batches_share_the_batch(parallel_engine):
     """PP=2 with more requests waiting than the batch holds: each step in flight takes half the
     batch, so that the second stage has a step of its own to work on."""
-    from kiln.runtime.llm_engine import LLMEngine
+    from kiln.runtime.frontend.llm_engine import LLMEngine
 
     engine = LLMEngine(parallel_engine("llama", 1, 2), max_batch_size=4)
     try:

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from kiln import LLM
 from kiln.cli import cli
-from kiln.runtime.perplexity import perplexity, windows
+from kiln.runtime.frontend.perplexity import perplexity, windows
 
 FILES = [Path(sysconfig.get_paths()["stdlib"]) / name for name in ("json/tool.py", "colorsys.py")]
 # Float32 engine against float32 HF on the same windows: the logits agree to ~1e-6 and the mean NLL

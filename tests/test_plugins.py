@@ -148,7 +148,7 @@ def test_kv_cache_write(dtype, block_size):
 
 def _make_step(requests, *, layers, kv_heads, heads, head_dim, block_size, seed,
                extra_q_pad=0, extra_block_pad=0):
-    """A paged-attention step built the way kiln/runtime/model_runner.py builds it.
+    """A paged-attention step built the way kiln/runtime/core/step_plan.py builds it.
 
     requests: (kind, context_len, q_len) with kind "ctx" (a prefill chunk of q_len tokens after
     context_len - q_len cached ones) or "gen" (q_len 1). Tokens lie in the flat batch in request

@@ -1,4 +1,4 @@
-"""Prefix caching (kiln/runtime/block_pool.py, kv_cache_manager.py): requests that share a prompt
+"""Prefix caching (kiln/runtime/core/block_pool.py, kv_cache_manager.py): requests that share a prompt
 prefix compute it once, with greedy outputs identical to caching off; the block pool's invariants
 hold after every step of a randomized run with aborts, preemptions and forks; cache salts keep
 tenants apart; block hashes cannot be predicted across processes."""
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.runtime.block_pool import NONE, BlockHasher
+from kiln.runtime.core.block_pool import NONE, BlockHasher
 
 TPB = 8
 
@@ -103,7 +103,8 @@ def test_randomized_run_keeps_the_pool_consistent(engine_dir):
                 finished[ids[out.request_id]] = out
         check_pool(engine, seen)
     core = engine.core
-    assert core.scheduler.num_preemptions > 0 and core.kv.hits > 0  # the run did preempt and reuse
+    counters = core.scheduler.counters
+    assert counters.num_preemptions > 0 and counters.prefix_cache_hits > 0  # the run did preempt and reuse
     assert not core.requests and core.kv.pool.num_free == core.kv.pool.num_blocks
     assert all(c == 0 for c in core.kv.pool.ref_counts) and sorted(core.kv.free_rows) == list(range(6))
     # every request that was not aborted gives what it gives alone, with caching off
@@ -154,7 +155,7 @@ def test_cache_salt_keeps_tenants_apart(engine_dir):
         llm.generate({"prompt_token_ids": prompt, "cache_salt": ""}, greedy())
 
 
-HASH = ("import sys; from kiln.runtime.block_pool import BlockHasher, NONE; "
+HASH = ("import sys; from kiln.runtime.core.block_pool import BlockHasher, NONE; "
         "seed = None if sys.argv[1] == '-' else int(sys.argv[1]); "
         "print(BlockHasher(seed)(NONE, list(range(8))).hex())")
 

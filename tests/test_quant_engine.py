@@ -14,7 +14,7 @@ from kiln import LLM, SamplingParams
 from kiln.build.builder import build_engine
 from kiln.config import BuildConfig, ConfigError
 from kiln.plugins import cpu, quant, reference
-from kiln.runtime.engine import Engine
+from kiln.engine.loader import RankEngine
 from test_e2e import engine_logits
 from tiny_models import PROMPTS
 
@@ -128,7 +128,7 @@ def _prompt_ids(hf_dir):
 
 
 def _max_logit_diff(engine_dir, model, sequences):
-    runner = Engine(engine_dir, max_tokens_in_paged_kv_cache=2048)
+    runner = RankEngine(engine_dir, max_tokens_in_paged_kv_cache=2048)
     ours = engine_logits(runner, sequences)
     worst = 0.0
     for seq, got in zip(sequences, ours):
@@ -172,8 +172,8 @@ def test_modelopt_checkpoint_matches_fake_quant(algo, kv, tol, modelopt_checkpoi
 
     # Sizes against the unquantized float32 engine of the same model.
     config = json.loads((engine_dir / "config.json").read_text())
-    plain_engine = Engine(engine("llama", "eager"), max_tokens_in_paged_kv_cache=64)
-    ours = Engine(engine_dir, max_tokens_in_paged_kv_cache=64)
+    plain_engine = RankEngine(engine("llama", "eager"), max_tokens_in_paged_kv_cache=64)
+    ours = RankEngine(engine_dir, max_tokens_in_paged_kv_cache=64)
     linear_params = 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128)
     untied_lm_head = 384 * 64 * 4  # ModelOpt unties the tiny model's lm_head; Kiln's converter does not
     bits = 4 if "W4A16" in algo else 8  # W4A8 runs on fp8 weights (kiln/plugins/quant.py)
@@ -221,8 +221,8 @@ def test_aoti_quantized_engine_matches_eager(algo, kv, modelopt_checkpoint, hf_m
     if kv:
         assert build_config["kv_cache_dtype"] == "int8"
     sequences = _prompt_ids(hf_dir)[:3]
-    a = engine_logits(Engine(aoti, max_tokens_in_paged_kv_cache=1024), sequences)
-    e = engine_logits(Engine(eager, max_tokens_in_paged_kv_cache=1024), sequences)
+    a = engine_logits(RankEngine(aoti, max_tokens_in_paged_kv_cache=1024), sequences)
+    e = engine_logits(RankEngine(eager, max_tokens_in_paged_kv_cache=1024), sequences)
     diff = max((x - y).abs().max().item() for x, y in zip(a, e))
     vs_oracle = _max_logit_diff(aoti, oracle, sequences)
     with capsys.disabled():

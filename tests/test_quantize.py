@@ -22,7 +22,7 @@ from kiln.convert.quantize.calib import make_split
 from kiln.convert.quantize.pipeline import QuantOptions
 from kiln.convert.quantize.rtn import (dequantize_linear, int4_per_group, int8_per_channel, pack_int4,
                                        unpack_int4)
-from kiln.runtime.engine import Engine
+from kiln.engine.loader import RankEngine
 
 from conftest import MODELOPT, TEST_BUILD, require  # noqa: E402
 
@@ -244,7 +244,7 @@ def independent_report(hf_dir: Path, engine_dir: Path, windows: list[list[int]])
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    quant = engine_logits(Engine(engine_dir, max_tokens_in_paged_kv_cache=4096), windows)
+    quant = engine_logits(RankEngine(engine_dir, max_tokens_in_paged_kv_cache=4096), windows)
     nll_ref = nll_quant = kl = 0.0
     agree = count = 0
     for w, q in zip(windows, quant, strict=True):
@@ -314,7 +314,7 @@ def test_awq_and_gptq_beat_round_to_nearest(hf_model, calib_file, tmp_path):
 def test_awq_algorithms_checkpoint_loads_for_the_engine(hf_model, calib_file, tmp_path, awq_algorithm):
     # ModelOpt's awq_clip export has no pre-quant scales but says pre_quant_scale: true; ours
     # must say false, or engine-build asks for tensors that are not there.
-    from kiln.build.builder import load_rank_weights
+    from kiln.build.weights import load_rank_weights
     from kiln.models.llama import checkpoint_tensors
 
     out = convert_checkpoint(hf_model("llama"), tmp_path / "c", quant=opts(

@@ -14,7 +14,8 @@ import torch
 
 from conftest import TEST_BUILD
 from kiln import LLM, AsyncLLM, SamplingParams
-from kiln.runtime.llm_engine import LLMEngine, load_tokenizer
+from kiln.runtime.frontend.llm_engine import LLMEngine
+from kiln.runtime.frontend.tokenizer import load_tokenizer
 from tiny_models import PROMPTS
 
 MAX_TOKENS = 16
@@ -235,9 +236,9 @@ def test_preemption_same_tokens(preempting_llm, llm, tok, preempt_blocks):
     assert engine.core.kv.pool.num_blocks == preempt_blocks
     prompts = [PROMPTS[i] for i in PREEMPTED]
     params = [greedy(PREEMPT_OUTPUT), greedy(PREEMPT_OUTPUT, prompt_logprobs=1), greedy(PREEMPT_OUTPUT)]
-    before = engine.core.scheduler.num_preemptions
+    before = engine.core.scheduler.counters.num_preemptions
     outs = preempting_llm.generate(prompts, params)
-    assert engine.core.scheduler.num_preemptions > before
+    assert engine.core.scheduler.counters.num_preemptions > before
     roomy = llm.generate(prompts, params)
     assert tokens(outs) == tokens(roomy)
     assert all(len(t) == PREEMPT_OUTPUT for t in tokens(outs))
@@ -258,7 +259,7 @@ def test_guaranteed_no_evict_same_tokens(no_evict_llm, reference, prompt_lens, n
     assert tokens(outs) == [reference[i].outputs[0].token_ids for i in which]
     for a, b in zip(outs[2].prompt_logprobs[1:], reference[PLP].prompt_logprobs[1:], strict=True):
         close_logprobs(a, b, 1e-5)
-    assert engine.core.scheduler.num_preemptions == 0
+    assert engine.core.scheduler.counters.num_preemptions == 0
     # the cache really was too small: the long request waited until the first ones finished
     assert outs[2].metrics.first_scheduled_time > outs[0].metrics.finished_time
     assert_all_blocks_free(engine)
@@ -271,9 +272,9 @@ def test_preemption_with_n_and_seeds(preempting_llm, llm, reference):
               greedy(8, n=3), SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=8, ignore_eos=True)]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]
     engine = preempting_llm.llm_engine
-    before = engine.core.scheduler.num_preemptions
+    before = engine.core.scheduler.counters.num_preemptions
     small = preempting_llm.generate(prompts, params)
-    assert engine.core.scheduler.num_preemptions > before
+    assert engine.core.scheduler.counters.num_preemptions > before
     roomy = llm.generate(prompts, params)
     assert [[c.token_ids for c in o.outputs] for o in small] == [[c.token_ids for c in o.outputs] for o in roomy]
     assert [c.token_ids for c in small[1].outputs] == [reference[1].outputs[0].token_ids[:8]] * 3
@@ -601,7 +602,7 @@ def test_detokenizer_skips_ids_past_the_tokenizer(hf_model):
     adds no text instead of failing the request."""
     from transformers import AutoTokenizer
 
-    from kiln.runtime.detokenizer import IncrementalDetokenizer
+    from kiln.runtime.frontend.detokenizer import IncrementalDetokenizer
 
     tok = AutoTokenizer.from_pretrained(hf_model("llama"))
     ids = tok.encode("def f(x): return x", add_special_tokens=False)
@@ -617,7 +618,7 @@ def test_dead_engine_core_is_a_sticky_error(engine_dir):
     import os
     import signal
 
-    from kiln.runtime.core_client import EngineDeadError
+    from kiln.runtime.messages import EngineDeadError
 
     a = AsyncLLM(engine_dir)
     deaths = []

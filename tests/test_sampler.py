@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from kiln.runtime.sampler import SampleRow, Sampler, compute_prompt_logprobs, make_generator
+from kiln.runtime.core.sample.rows import SampleRow, compute_prompt_logprobs, make_generator
+from kiln.runtime.core.sample.sampler import Sampler
 from kiln.runtime.sampling_params import SamplingParams
 
 # Significance level for the goodness-of-fit tests. Every draw uses a fixed seed, so the tests
@@ -343,7 +344,7 @@ def test_compute_prompt_logprobs():
 def test_top_p_nucleus_equals_the_full_sort(vocab):
     """The partial top-k search for the nucleus keeps exactly what sorting the whole vocabulary keeps,
     for peaked rows (nucleus among the first candidates) and flat ones (it is not)."""
-    from kiln.runtime.sampler import top_p_drop
+    from kiln.runtime.core.sample.torch_sampler import top_p_drop
 
     g = torch.Generator().manual_seed(0)
     logits = torch.cat([torch.randn(4, vocab, generator=g) * 8, torch.randn(4, vocab, generator=g) * 0.1])

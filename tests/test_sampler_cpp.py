@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from kiln.runtime.sampler import SampleRow, Sampler, make_generator
+from kiln.runtime.core.sample.rows import SampleRow, make_generator
+from kiln.runtime.core.sample.sampler import Sampler
 from kiln.runtime.sampling_params import SamplingParams as SP
 from test_sampler import ALPHA, chi2_pvalue, reference_filter, row
 
@@ -218,7 +219,7 @@ def test_auto_uses_cpp_and_falls_back_to_torch_when_the_library_cannot_build(tmp
     x = torch.zeros(1, 10)
     assert Sampler()._use_cpp(x) and not Sampler("torch")._use_cpp(x)
     script = ("import warnings, torch\n"
-              "from kiln.runtime.sampler import Sampler, SampleRow\n"
+              "from kiln.runtime.core.sample.rows import SampleRow\nfrom kiln.runtime.core.sample.sampler import Sampler\n"
               "from kiln.runtime.sampling_params import SamplingParams\n"
               "with warnings.catch_warnings(record=True) as w:\n"
               "    warnings.simplefilter('always')\n"
@@ -234,7 +235,8 @@ def test_auto_uses_cpp_and_falls_back_to_torch_when_the_library_cannot_build(tmp
 
 _EVERY_PATH = """
 import torch
-from kiln.runtime.sampler import SampleRow, Sampler, make_generator
+from kiln.runtime.core.sample.rows import SampleRow, make_generator
+from kiln.runtime.core.sample.sampler import Sampler
 from kiln.runtime.sampling_params import SamplingParams as SP
 g = torch.Generator().manual_seed(0)
 x = torch.randn(24, 8192, generator=g) * 3

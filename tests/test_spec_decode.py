@@ -1,4 +1,4 @@
-"""Speculative decoding (kiln/runtime/spec_decode.py): prompt lookup and a draft engine. Greedy
+"""Speculative decoding (kiln/runtime/core/spec_decode.py): prompt lookup and a draft engine. Greedy
 outputs equal plain decoding's under in-flight batching (speculating and plain sequences in one
 step, chunked prefill, preemption, n > 1); sampled outputs follow the same distribution (a
 chi-square test of the verification against the sampler's own distribution); the counters add up."""
@@ -7,8 +7,9 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.config import ConfigError
-from kiln.runtime.sampler import Sampler, SampleRow, make_generator
-from kiln.runtime.spec_decode import NgramProposer, SpeculativeConfig, target_probs, verify
+from kiln.runtime.core.sample.rows import SampleRow, make_generator
+from kiln.runtime.core.sample.sampler import Sampler
+from kiln.runtime.core.spec_decode import NgramProposer, SpeculativeConfig, target_probs, verify
 from test_sampler import chi2_pvalue
 from tiny_models import PROMPTS
 
@@ -60,7 +61,7 @@ def test_greedy_outputs_equal_plain_decoding(engine_dir, draft_dir, reference, m
     assert sum(o.metrics.num_accepted_tokens for o in outs) == spec.num_accepted_tokens
     assert sum(o.metrics.num_draft_tokens for o in outs) == spec.num_draft_tokens
     if setting == "preempting":
-        assert core.scheduler.num_preemptions > 0
+        assert core.scheduler.counters.num_preemptions > 0
     assert not core.requests and core.kv.pool.num_free == core.kv.pool.num_blocks
 
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from kiln.runtime.threads import available_cpus, configure_threads
+from kiln.threads import available_cpus, configure_threads
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_bad_thread_counts(restore_threads, monkeypatch):
 
 def test_affinity_bounds_the_default():
     """A process pinned to one core runs one intra-op thread, not one per core of the machine."""
-    code = ("import torch; from kiln.runtime.threads import configure_threads; "
+    code = ("import torch; from kiln.threads import configure_threads; "
             "print(configure_threads(), torch.get_num_threads())")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], env=env, capture_output=True,
@@ -47,7 +47,7 @@ def test_affinity_bounds_the_default():
 
 
 def test_engine_runs_with_the_threads_asked(restore_threads, engine):
-    from kiln.runtime.llm_engine import LLMEngine
+    from kiln.runtime.frontend.llm_engine import LLMEngine
 
     llm_engine = LLMEngine(engine("llama"), threads=1)
     assert llm_engine.threads == 1 and torch.get_num_threads() == 1

@@ -29,7 +29,7 @@ from click.testing import CliRunner
 
 from kiln import LLM, SamplingParams
 from kiln.cli import cli
-from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.frontend.detokenizer import IncrementalDetokenizer
 from tiny_models import PROMPTS
 
 ROOT = Path(__file__).parent.parent

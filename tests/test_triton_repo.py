@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from kiln import SamplingParams
 from kiln.cli import cli
-from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.frontend.detokenizer import IncrementalDetokenizer
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.triton_backend import interface, repository
 from kiln.triton_backend.engine_io import Row, Tracker

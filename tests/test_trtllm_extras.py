@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kiln import LLM, AsyncLLM, SamplingParams
-from kiln.runtime.llm_engine import LLMEngine
+from kiln.runtime.frontend.llm_engine import LLMEngine
 from tiny_models import PROMPTS
 
 
@@ -45,7 +45,7 @@ def test_context_and_generation_logits_match_hf(engine_dir, hf, engine_args):
         torch.testing.assert_close(gen, ref[len(prompt) - 1:-1], atol=1e-4, rtol=1e-4)
         assert len(out.prompt_logprobs) == len(prompt)  # prompt logprobs still come out alongside
     if "max_tokens_in_paged_kv_cache" in engine_args:
-        assert llm.llm_engine.core.scheduler.num_preemptions > 0
+        assert llm.llm_engine.core.scheduler.counters.num_preemptions > 0
     assert outs[0].context_logits is None and outs[0].outputs[0].generation_logits is None
 
 

@@ -3,17 +3,7 @@ import torch
 from torch.export import Dim
 
 from kiln.config import BuildConfig, PretrainedConfig, torch_dtype
-from kiln.models.llama import HIDDEN_STATES
-
-
-KV_CACHE_QUANT_DTYPES = {"FP8": torch.float8_e4m3fn, "INT8": torch.int8}
-
-
-def kv_cache_dtype(pretrained: PretrainedConfig, build: BuildConfig) -> torch.dtype:
-    algo = pretrained.quantization.kv_cache_quant_algo
-    if algo:
-        return KV_CACHE_QUANT_DTYPES[algo]
-    return torch_dtype(build.kv_cache_dtype or pretrained.dtype)
+from kiln.engine.format import HIDDEN_STATES, kv_cache_dtype
 
 
 def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks: int = 16, rank: int = 0):

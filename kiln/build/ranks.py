@@ -6,17 +6,25 @@ of its own (`python -m kiln.build.ranks`), at most `workers` at once, and report
 and peak RSS.
 """
 import json
-import os
 import resource
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kiln.config import BuildConfig, ConfigError, PretrainedConfig
-from kiln.utils import progress
+import torch
+
+from kiln.build import backends
+from kiln.build.export import export
+from kiln.build.weights import load_rank_weights
+from kiln.config import BuildConfig, ConfigError, PretrainedConfig, torch_dtype
+from kiln.models.linear import PackedLinear
+from kiln.models.llama import LlamaForCausalLM
+from kiln.plugins import tactics
+from kiln.threads import available_cpus
+from kiln.utils import child_env, progress
 
 
 @dataclass
@@ -32,11 +40,6 @@ class RankBuild:
 
 def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildConfig, rank: int,
                path: Path, show_progress: bool = True) -> RankBuild:
-    from kiln.build import backends
-    from kiln.build.builder import load_rank_weights
-    from kiln.build.export import export
-    from kiln.models.llama import LlamaForCausalLM
-
     start = time.time()
     timing = build.plugin_config["gemm_plugin"] == "cpp" and build.tactic_timing
     table, tactic_seconds, cache = {}, 0.0, None
@@ -61,12 +64,6 @@ def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildC
 def time_tactics(model, pretrained: PretrainedConfig, build: BuildConfig):
     """Times the GEMM kernels of the rank's packed layers (kiln.plugins.tactics) and sets each
     layer's tactics before export bakes them in: the table, and the timing cache it went through."""
-    import torch
-
-    from kiln.config import torch_dtype
-    from kiln.models.linear import PackedLinear
-    from kiln.plugins import tactics
-
     cache = tactics.TimingCache(build.timing_cache)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
     with torch.no_grad():
@@ -105,11 +102,8 @@ def build_ranks(checkpoint_dir: Path, pretrained: PretrainedConfig, build: Build
 
 def _in_processes(checkpoint_dir: Path, build: BuildConfig, out: Path, world: int, workers: int,
                   on_rank) -> list[RankBuild]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).parents[2])] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = child_env()
     if "OMP_NUM_THREADS" not in env:  # the builds share the cores
-        from kiln.runtime.threads import available_cpus
-
         env["OMP_NUM_THREADS"] = str(max(1, available_cpus() // workers))
     pending, running, done = list(range(world)), {}, []
     with tempfile.TemporaryDirectory(dir=out) as results:
@@ -141,8 +135,6 @@ def _in_processes(checkpoint_dir: Path, build: BuildConfig, out: Path, world: in
 
 
 def _main(spec: dict) -> int:
-    from dataclasses import asdict
-
     result = Path(spec["result"])
     try:
         checkpoint_dir = Path(spec["checkpoint_dir"])

@@ -13,13 +13,6 @@ from kiln.models.linear import make_linear, packed_lm_head, tensor_specs
 from kiln.models.parallel import TensorParallel
 from kiln.plugins import cpu, gemm, ops
 
-STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "ctx_token_index", "ctx_block_tables",
-               "ctx_context_lens", "gen_token_index", "gen_block_tables", "gen_context_lens",
-               "logits_index", "kv_cache")
-# Pipeline stages after the first also take the previous stage's output, [T, hidden_size].
-HIDDEN_STATES = "hidden_states"
-
-
 class _Ops:
     """Picks, per op, the plugin (a custom-op node the backend maps to its kernel) or the inline CPU
     path (traced into the graph, where the compiler fuses it and no call leaves compiled code)."""

@@ -9,7 +9,7 @@ vocabulary slice are gathered, for the logits_index rows only.
 The collectives are kiln_cpp ops (kiln/plugins/csrc/all_reduce.cpp) on the group named TP_GROUP:
 through shared memory where the runtime attached a communicator under that name (every rank of the
 group on one machine), else through the torch.distributed process group registered under it. The
-engine bakes the name in; the runtime (kiln/runtime/distributed.py) provides the group.
+engine bakes the name in; the runtime (kiln/runtime/executor/distributed.py) provides the group.
 """
 import torch
 

@@ -4,7 +4,7 @@
 library built with `torch.utils.cpp_extension`. Being C++, an AOTInductor package that calls it runs
 wherever that library is loaded, with or without Python (DESIGN.md, constraint 4). The same library
 holds the GEMM (`kiln_cpp::gemm`) and the runtime's token sampler (`kiln_cpp::sample`, used by
-kiln/runtime/sampler.py).
+kiln/runtime/core/sample/sampler.py).
 
 Importing this module is cheap; `load()` (or `ensure_built()`) builds the library once per source
 and torch version and loads it. The build cache lives under $KILN_CACHE_DIR (default ~/.cache/kiln)

@@ -63,8 +63,8 @@ class ServerState:
         return self.serving.llm.stats() if self.serving is not None else None
 
     def load(self) -> None:
-        from kiln.runtime.async_llm import AsyncLLM
-        from kiln.runtime.llm_engine import load_tokenizer
+        from kiln.runtime.frontend.async_llm import AsyncLLM
+        from kiln.runtime.frontend.tokenizer import load_tokenizer
 
         c = self.config
         start = time.monotonic()

@@ -89,7 +89,7 @@ def serve(engine_dir, host, port, api_key, served_model_names, chat_template, ma
     if engine_args.get("speculative_config") is not None:
         import json
 
-        from kiln.runtime.spec_decode import SpeculativeConfig
+        from kiln.runtime.core.spec_decode import SpeculativeConfig
         try:
             engine_args["speculative_config"] = json.loads(engine_args["speculative_config"])
             SpeculativeConfig.from_dict(engine_args["speculative_config"])

@@ -14,7 +14,7 @@ from kiln.serve.metrics import ServerMetrics
 from kiln.serve.protocol import APIError, ChatMessage, SamplingFields
 
 if TYPE_CHECKING:
-    from kiln.runtime.async_llm import AsyncLLM
+    from kiln.runtime.frontend.async_llm import AsyncLLM
 
 # Request fields whose name starts an engine/SamplingParams error message ("max_tokens (300) + ...").
 _PARAMS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",

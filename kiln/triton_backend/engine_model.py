@@ -45,7 +45,7 @@ class Job:
 
 class TritonPythonModel:
     def initialize(self, args):
-        from kiln.runtime.async_llm import AsyncLLM  # here: Triton may import this module just to read its config
+        from kiln.runtime.frontend.async_llm import AsyncLLM  # here: Triton may import this module just to read its config
 
         config = json.loads(args["model_config"])
         try:

@@ -1,6 +1,10 @@
 """Speculative decoding: cheap proposals for a sequence's next tokens, verified by the target model
 in one step (DESIGN.md: a speculating sequence is 1 + k query tokens through the context phase).
 
+`SpecDecoder` is all the engine core sees of it: `propose` before a step is scheduled (each
+decoding sequence's `draft_token_ids`), `verify` after (the tokens each one emits, with the
+counters kept).
+
 Proposers: `NgramProposer` (prompt lookup: the tokens that followed the latest earlier occurrence
 of the sequence's last n-gram) and `DraftProposer` (a second, smaller Kiln engine with its own KV
 cache, decoding greedily). Both propose deterministic tokens, so the draft distribution q is
@@ -19,8 +23,16 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import ConfigError
-from kiln.runtime.sampler import SampleRow, TorchSampler, _logprob_dicts, call_key, draw_stream, draw_uniform
+from kiln.config import ConfigError, EngineConfig
+from kiln.runtime.core.kv_cache_manager import KVCacheManager
+from kiln.runtime.core.request import Request, Sequence
+from kiln.runtime.core.sample.rows import SampleRow, call_key, draw_stream, draw_uniform, logprob_dicts
+from kiln.runtime.core.sample.torch_sampler import TorchSampler
+from kiln.runtime.core.scheduler import SchedulerOutput
+from kiln.runtime.core.step_plan import plan_step
+from kiln.runtime.executor.uniproc import UniprocExecutor
+from kiln.runtime.messages import SpecStats
+from kiln.runtime.sampling_params import SamplingParams
 
 METHODS = ("ngram", "draft_model")
 ACCEPT_ROUND, RESIDUAL_ROUND = 1, 2  # draws of a verification, apart from the sampler's own (round 0)
@@ -101,10 +113,6 @@ class DraftProposer:
     tokens it has computed stay valid as long as they agree with the target's tokens."""
 
     def __init__(self, config: SpeculativeConfig, target_dir, target_config, max_batch_size: int):
-        from kiln.config import EngineConfig
-        from kiln.runtime.executor import UniprocExecutor
-        from kiln.runtime.kv_cache_manager import KVCacheManager
-
         draft_dir = Path(config.draft_engine_dir)
         draft = EngineConfig.load(draft_dir)
         tp, db = target_config.pretrained_config, draft.build_config
@@ -117,9 +125,6 @@ class DraftProposer:
         self.vocab_size = tp.vocab_size
 
     def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
-        from kiln.runtime.model_runner import plan_step
-        from kiln.runtime.scheduler import SchedulerOutput
-
         drafts = [[] for _ in seqs]
         live = []  # (position in seqs, draft sequence, tokens to propose)
         out, budget = SchedulerOutput(), self.max_num_tokens
@@ -151,9 +156,6 @@ class DraftProposer:
     def _follow(self, seq):
         """The draft sequence of a target sequence, its tokens made the target's, keeping the K/V
         of the prefix the two agree on."""
-        from kiln.runtime.sampling_params import SamplingParams
-        from kiln.runtime.sequence import Request, Sequence
-
         d = self.seqs.get(id(seq))
         if d is None:
             req = Request("draft", seq.request.prompt_token_ids, SamplingParams(), seq.request.max_tokens)
@@ -186,14 +188,6 @@ def _check_compatible(draft_dir: Path, draft, target_dir: Path, target) -> None:
     if draft.build_config.max_seq_len < target.build_config.max_seq_len:
         raise ConfigError(f"draft engine {draft_dir} has max_seq_len {draft.build_config.max_seq_len}, below the "
                           f"target's {target.build_config.max_seq_len}")
-
-
-def make_proposer(config: SpeculativeConfig | None, target_dir, target_config, max_batch_size: int):
-    if config is None:
-        return None
-    if config.method == "ngram":
-        return NgramProposer(config)
-    return DraftProposer(config, target_dir, target_config, max_batch_size)
 
 
 def target_probs(sampler, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -255,6 +249,61 @@ def verify(sampler, logits: torch.Tensor, rows: list[SampleRow], drafts: list[li
         lps = None
         if row.params.logprobs is not None:
             lp = torch.log_softmax(logits[start:start + len(emitted)].float(), -1)
-            lps, _ = _logprob_dicts(lp, torch.tensor(emitted), [row.params.logprobs] * len(emitted), False)
+            lps, _ = logprob_dicts(lp, torch.tensor(emitted), [row.params.logprobs] * len(emitted), False)
         results.append(Verified(emitted, lps, len(emitted) - 1))
     return results
+
+
+class SpecDecoder:
+    """Drafts for the decoding sequences before a step, and their verification after it. A sequence
+    drafts as many tokens as its limits leave room for: num_speculative_tokens at most, none past its
+    max_tokens (the last token is the target's own) or the engine's max_seq_len."""
+
+    def __init__(self, config: SpeculativeConfig, target_dir, target_config, max_batch_size: int):
+        self.proposer = (NgramProposer(config) if config.method == "ngram" else
+                         DraftProposer(config, target_dir, target_config, max_batch_size))
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.max_seq_len = target_config.build_config.max_seq_len
+        self.stats = SpecStats(accepted_per_pos=[0] * self.num_speculative_tokens)
+
+    @classmethod
+    def create(cls, speculative_config: dict | None, target_dir, target_config,
+               max_batch_size: int) -> SpecDecoder | None:
+        config = SpeculativeConfig.from_dict(speculative_config)
+        return None if config is None else cls(config, target_dir, target_config, max_batch_size)
+
+    def propose(self, running: list[Sequence]) -> None:
+        seqs, ks = [], []
+        for seq in running:
+            seq.draft_token_ids = []
+            req = seq.request
+            if req.forked and not seq.prefilling:
+                k = min(self.num_speculative_tokens, req.max_tokens - seq.num_output_tokens - 1,
+                        self.max_seq_len - seq.num_tokens)
+                if k > 0:
+                    seqs.append(seq)
+                    ks.append(k)
+        self.proposer.prune({id(s) for s in running})
+        for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks)):
+            seq.draft_token_ids = drafts
+
+    def verify(self, sampler, logits: torch.Tensor, to_verify: list[tuple[Sequence, list[int]]]) -> list[Verified]:
+        """What each sequence emits: its drafts against its logits rows (the last token's, then each
+        draft's); its drafts are cleared and the request's and the engine's counters kept."""
+        seqs = [seq for seq, _ in to_verify]
+        drafts = [seq.draft_token_ids for seq in seqs]
+        results = verify(sampler, logits[[r for _, rs in to_verify for r in rs]], [
+            SampleRow(s.request.params, s.request.prompt_token_ids, s.output_token_ids, s.generator,
+                      s.request.eos_token_ids) for s in seqs], drafts)
+        stats = self.stats
+        for seq, d, res in zip(seqs, drafts, results):
+            seq.draft_token_ids = []
+            req = seq.request
+            req.num_draft_tokens += len(d)
+            req.num_accepted_tokens += res.num_accepted
+            stats.num_drafts += 1
+            stats.num_draft_tokens += len(d)
+            stats.num_accepted_tokens += res.num_accepted
+            for pos in range(res.num_accepted):
+                stats.accepted_per_pos[pos] += 1
+        return results

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import psutil
 
-from kiln.build import backends
 from kiln.plugins.cpp import cache_root
 
 _guard = threading.RLock()  # the signal handler may take it in the thread holding it
@@ -51,12 +50,12 @@ def area() -> Path:
     return cache_root() / "extracted"
 
 
-def load_aoti(path: Path):
-    """The rank engine at path (an AOTInductor package), run from a folder of this process's that
-    is removed when the model is garbage-collected, or at exit."""
-    folder = unpack(path)
+def load_unpacked(package: Path, load):
+    """load(folder) for a folder of this process's holding the package's files, which is removed when
+    the model load returns is garbage-collected, or at exit."""
+    folder = unpack(package)
     try:
-        model = backends.load("aoti", path, unpacked=folder)
+        model = load(folder)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise

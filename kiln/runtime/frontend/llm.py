@@ -1,7 +1,7 @@
 """`LLM`: synchronous batch generation, vLLM's API."""
 from collections.abc import Sequence
 
-from kiln.runtime.llm_engine import LLMEngine
+from kiln.runtime.frontend.llm_engine import LLMEngine
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.utils import progress

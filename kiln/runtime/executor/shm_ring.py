@@ -2,7 +2,7 @@
 
 A message is a kind ("step", "allocate", "stop", ...) and a dict of CPU tensors, encoded as a small
 JSON header and the tensors' bytes: nothing is unpickled, so a message from another machine
-(kiln/runtime/torchrun_executor.py) is data, never code.
+(torchrun.py) is data, never code.
 
 `ShmRing` is a file under /dev/shm that the writer maps and each reader maps too: the writer puts
 message n into slot n % slots and wakes the readers through their pipes (the pipe write orders the

@@ -6,24 +6,13 @@ be computed), and each block it fills is added to the cache once its K/V are com
 
 Each sequence holding blocks also has a row of `block_tables`, a tensor copy of its block table
 kept in step with it as blocks are added, so that a step's tables are gathered from rows instead of
-being built from Python lists every step (kiln/runtime/model_runner.py).
+being built from Python lists every step (kiln/runtime/core/step_plan.py).
 """
 import torch
 
-from kiln.runtime.block_pool import NONE, BlockHasher, BlockPool
-from kiln.runtime.sequence import Sequence
-
-
-def blocks_for(num_tokens: int, tokens_per_block: int) -> int:
-    return -(-num_tokens // tokens_per_block)
-
-
-def request_blocks(num_prompt_tokens: int, max_len: int, n: int, tokens_per_block: int) -> tuple[int, int]:
-    """Blocks a request can ever hold at once: (all n samples, each forked sample's own share).
-    The n samples share the prompt's full blocks; the rest each sample grows on its own."""
-    per_sample = blocks_for(max_len, tokens_per_block)
-    own = per_sample - num_prompt_tokens // tokens_per_block
-    return per_sample + (n - 1) * own, own
+from kiln.runtime.core.block_pool import NONE, BlockHasher, BlockPool
+from kiln.runtime.core.request import Sequence
+from kiln.runtime.messages import blocks_for, request_blocks
 
 
 class KVCacheManager:
@@ -33,7 +22,6 @@ class KVCacheManager:
         self.tokens_per_block = tokens_per_block
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = BlockHasher(prefix_cache_seed)
-        self.queries = self.hits = 0  # tokens of admitted sequences, and of those found cached (vLLM's)
         self.reserved = 0  # promised to admitted sequences (guaranteed_no_evict), not yet allocated
         self.block_tables = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32)
         self.free_rows = list(range(max_seqs - 1, -1, -1))
@@ -84,12 +72,7 @@ class KVCacheManager:
         they hold (now computed)."""
         if not self.enable_prefix_caching or seq.block_table:
             return 0
-        limit = seq.num_tokens - 1
-        req = seq.request
-        if req.prompt_logprobs is not None:  # positions still to be scored must be computed
-            limit = min(limit, len(req.prompt_logprobs) - 1)
-        if req.params.return_context_logits:  # and so must those whose logits are still owed
-            limit = min(limit, 0 if req.context_logits is None else len(req.context_logits))
+        limit = min(seq.num_tokens - 1, seq.request.cacheable_tokens)
         hits = self.pool.lookup(self._hashes(seq, limit // self.tokens_per_block))
         self.pool.take(hits)
         if hits:
@@ -129,7 +112,7 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Share the parent's blocks with a child. A partly filled last block is copied instead,
-        since both will append to it: returns (src, dst) of that copy for the runner to do."""
+        since both will append to it: returns (src, dst) of that copy for the executor to do."""
         full = parent.num_computed_tokens // self.tokens_per_block
         shared = parent.block_table[:full]
         self.pool.share(shared)

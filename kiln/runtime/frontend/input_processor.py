@@ -2,9 +2,8 @@
 so that a request the core receives always fits (the errors name the limit and the value)."""
 import time
 
-from kiln.runtime.engine_core import EngineCoreRequest, EngineInfo
-from kiln.runtime.kv_cache_manager import blocks_for, request_blocks
-from kiln.runtime.output_processor import RequestState
+from kiln.runtime.frontend.output_processor import RequestState
+from kiln.runtime.messages import EngineCoreRequest, EngineInfo
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -35,12 +34,7 @@ class InputProcessor:
         if not info.enable_chunked_prefill and len(token_ids) > info.max_num_tokens:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_tokens "
                              f"({info.max_num_tokens}) allows without chunked prefill")
-        tpb = info.tokens_per_block
-        if info.scheduler_policy == "guaranteed_no_evict":
-            need, _ = request_blocks(len(token_ids), len(token_ids) + max_tokens, params.n, tpb)
-        else:  # samples may take turns (preemption), but the fork needs the prompt + n - 1 blocks at once
-            need = max(blocks_for(len(token_ids) + max_tokens, tpb), blocks_for(len(token_ids), tpb) + params.n - 1)
-        if need > info.num_kv_blocks:
+        if info.blocks_needed(len(token_ids), max_tokens, params.n) > info.num_kv_blocks:
             raise ValueError(f"prompt + max_tokens ({len(token_ids) + max_tokens} tokens, n={params.n}) does not "
                              f"fit in the KV cache ({info.num_kv_blocks * info.tokens_per_block} tokens)")
         if params.stop and self.tokenizer is None:

@@ -1,121 +1,67 @@
 """The engine core: requests of token ids in, one step at a time, new token ids out.
 
-It owns the scheduler, the KV cache manager, the executor (which runs the rank engines) and the
-sampler, and knows nothing of text: tokenizing, detokenizing, stop strings and streaming belong to
-the frontend (kiln/runtime/output_processor.py), which runs beside it in one process or talks to it
-from another (kiln/runtime/core_client.py). A request ends here by EOS, a stop token id or its
-length, or when the frontend aborts it (an abort, or a stop string the frontend found).
+It owns the scheduler, the KV cache manager, the executor (which runs the rank engines), the
+sampler and, when asked for, speculative decoding, and knows nothing of text: tokenizing,
+detokenizing, stop strings and streaming belong to the frontend (kiln/runtime/frontend/), which
+runs it in its own thread or talks to `run_engine_core`, its busy loop in a process of its own. What
+the two say to each other is in kiln/runtime/messages.py. A request ends here by EOS, a stop token
+id or its length, or when the frontend aborts it (an abort, or a stop string the frontend found).
 
 A pipeline-parallel engine under worker processes has up to pp_size steps in flight (a batch queue,
 as vLLM v1's engine core keeps): step t + 1 is scheduled, from sequences not in step t, and
 submitted before step t's logits are collected.
 """
+import pickle
+import signal
+import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import NamedTuple
 
 import torch
 
-from kiln.runtime.executor import make_executor
-from kiln.runtime.kv_cache_manager import KVCacheManager
-from kiln.runtime.model_runner import StepPlan, plan_step
-from kiln.runtime.sampler import SampleRow, Sampler, compute_prompt_logprobs, make_generator
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler, SchedulerOutput
-from kiln.runtime.sequence import Request, Sequence
-from kiln.runtime.spec_decode import SpeculativeConfig, make_proposer, verify
-from kiln.runtime.stats import IterationStats
-from kiln.runtime.threads import configure_threads
+from kiln.runtime.core.kv_cache_manager import KVCacheManager
+from kiln.runtime.core.request import Request, Sequence
+from kiln.runtime.core.sample.rows import SampleRow, make_generator
+from kiln.runtime.core.sample.sampler import Sampler
+from kiln.runtime.core.scheduler import Scheduler, SchedulerOutput
+from kiln.runtime.core.spec_decode import SpecDecoder
+from kiln.runtime.core.step_plan import StepPlan, plan_step
+from kiln.runtime.executor.factory import make_executor
+from kiln.runtime.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineDeadError,
+                                   EngineInfo, IterationStats, Pipe, SampleDelta, SchedulerStats)
+from kiln.threads import configure_threads
 
 
-@dataclass
-class EngineCoreRequest:
-    """A request as the frontend sends it: validated, tokenized, its max_tokens bounded."""
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    eos_token_ids: tuple[int, ...]
-    arrival_time: float
-    cache_salt: str | None = None  # requests with different salts never share cached blocks
+class ScheduledStep(NamedTuple):
+    out: SchedulerOutput
+    plan: StepPlan
+    time: float
 
 
-@dataclass
-class SampleDelta:
-    """What one sample of a request did this step."""
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None  # "stop" (EOS, a stop token id), "length", "abort"
-    stop_reason: int | None = None  # the stop token id
-    new_generation_logits: list[torch.Tensor] | None = None  # return_generation_logits: a row per token
+class BatchQueue:
+    """The steps submitted and not yet collected, oldest first, and the sequences they hold."""
 
+    def __init__(self, size: int):
+        self.size = size
+        self.steps: deque[ScheduledStep] = deque()
+        self.in_flight: set[Sequence] = set()
 
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    samples: list[SampleDelta]
-    new_prompt_logprobs: list[dict[int, float]] | None
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finished: bool
-    num_cached_tokens: int | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    context_logits: torch.Tensor | None = None  # return_context_logits: once the whole prompt is computed
+    def __len__(self) -> int:
+        return len(self.steps)
 
+    def __iter__(self):
+        return iter(self.steps)
 
-@dataclass
-class SchedulerStats:
-    num_requests_running: int
-    num_requests_waiting: int
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int = 0  # tokens, cumulative
-    prefix_cache_hits: int = 0
-    spec: "SpecStats | None" = None
-    iterations: IterationStats | None = None
+    def push(self, step: ScheduledStep) -> None:
+        self.steps.append(step)
+        self.in_flight.update(seq for seq, _ in step.out.scheduled)
 
-
-def stats_dict(stats: SchedulerStats) -> dict:
-    """The stats as one flat dict (LLMEngine.get_stats, AsyncLLM.stats, the metrics exporters)."""
-    d = asdict(stats)
-    d.update(d.pop("iterations") or {})
-    return d
-
-
-@dataclass
-class SpecStats:
-    """Speculative decoding, cumulative (vLLM's spec_decode counters)."""
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-
-@dataclass
-class EngineCoreOutputs:
-    outputs: list[EngineCoreOutput]
-    stats: SchedulerStats
-    # (request ids, message): a step failed; those requests are gone from the core.
-    errors: list[tuple[list[str], str]] = field(default_factory=list)
-
-
-@dataclass
-class EngineInfo:
-    """What the frontend needs to know of a loaded core to validate and tokenize requests."""
-    build_config: object
-    model_config: object
-    max_batch_size: int
-    max_num_tokens: int
-    num_kv_blocks: int
-    tokens_per_block: int
-    scheduler_policy: str
-    enable_chunked_prefill: bool
-    threads: int
-    enable_prefix_caching: bool
+    def pop(self) -> ScheduledStep:
+        step = self.steps.popleft()
+        self.in_flight.difference_update(seq for seq, _ in step.out.scheduled)
+        return step
 
 
 class EngineCore:
@@ -136,15 +82,11 @@ class EngineCore:
                                                                      build.max_num_tokens),
                                    build.max_seq_len, scheduler_policy, enable_chunked_prefill)
         self.sampler = Sampler()
-        spec = SpeculativeConfig.from_dict(speculative_config)
-        self.proposer = make_proposer(spec, engine_dir, self.executor.config, max_batch_size)
-        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
-        self.spec_stats = SpecStats(accepted_per_pos=[0] * self.num_speculative_tokens) if spec else None
+        self.spec = SpecDecoder.create(speculative_config, engine_dir, self.executor.config, max_batch_size)
         self.iteration_stats = IterationStats()
         # Steps in flight at once: one per pipeline stage where the executor can overlap them (not
-        # with a draft proposer, whose drafts need the previous step's tokens).
-        self.batch_queue_size = 1 if self.proposer else getattr(self.executor, "max_concurrent_batches", 1)
-        self.batch_queue: deque[tuple[SchedulerOutput, StepPlan, float]] = deque()
+        # while speculating: drafts need the previous step's tokens).
+        self.batch_queue = BatchQueue(1 if self.spec else self.executor.max_concurrent_batches)
         self.requests: dict[str, Request] = {}
         self.info = EngineInfo(build, self.executor.config.pretrained_config, self.scheduler.max_batch_size,
                                self.scheduler.max_num_tokens, self.executor.num_blocks, build.tokens_per_block,
@@ -157,8 +99,6 @@ class EngineCore:
         req = Request(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids,
                       () if r.cache_salt is None else (r.cache_salt,), arrival_time=r.arrival_time,
                       forked=r.params.n == 1)
-        if r.params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]
         req.sequences.append(self._new_sequence(req, 0, list(r.prompt_token_ids)))
         self.requests[r.request_id] = req
         self.scheduler.add(req)
@@ -192,49 +132,44 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         running = {s.request.request_id for s in self.scheduler.running}
         waiting = {s.request.request_id for s in self.scheduler.waiting} - running
-        pool = self.kv.pool
+        pool, counters = self.kv.pool, self.scheduler.counters
         return SchedulerStats(len(running), len(waiting), pool.num_blocks, pool.num_free, pool.usage,
-                              self.scheduler.num_preemptions, self.kv.queries, self.kv.hits, self.spec_stats,
-                              self.iteration_stats)
+                              counters.num_preemptions, counters.prefix_cache_queries, counters.prefix_cache_hits,
+                              self.spec.stats if self.spec else None, self.iteration_stats)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        if self.batch_queue_size > 1:
+        if self.batch_queue.size > 1:
             return self._step_with_batch_queue()
-        scheduled = self._schedule()
-        if scheduled is None:
+        step = self._schedule()
+        if step is None:
             return EngineCoreOutputs([], self.stats())
-        out, plan, now = scheduled
-        return self._process(out, plan, self.executor.execute(plan.inputs), now)
+        return self._process(step, self.executor.execute(step.plan.inputs))
 
     def _step_with_batch_queue(self) -> EngineCoreOutputs:
         """Pipeline parallel: a step is submitted while up to pp_size - 1 others are still in the
         stages after the first, so that every stage works on one; each is scheduled from sequences
         not in flight, and the oldest is collected once the pipeline is full or nothing else fits."""
-        if len(self.batch_queue) < self.batch_queue_size:
+        queue = self.batch_queue
+        if len(queue) < queue.size:
             # An even share of the batch per micro-batch: one step holding it all would leave the
             # other stages idle until it is back.
             active = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.scheduler.max_batch_size)
-            scheduled = self._schedule(max_seqs=-(-active // self.batch_queue_size))
-            if scheduled is not None:
-                for seq, _ in scheduled[0].scheduled:
-                    seq.in_flight = True
-                self.batch_queue.append(scheduled)
-                self.executor.submit(scheduled[1].inputs)
-                if len(self.batch_queue) < self.batch_queue_size:
+            step = self._schedule(max_seqs=-(-active // queue.size))
+            if step is not None:
+                queue.push(step)
+                self.executor.submit(step.plan.inputs)
+                if len(queue) < queue.size:
                     return EngineCoreOutputs([], self.stats())
-        if not self.batch_queue:
+        if not queue:
             return EngineCoreOutputs([], self.stats())
-        out, plan, now = self.batch_queue.popleft()
-        logits = self.executor.collect()
-        for seq, _ in out.scheduled:
-            seq.in_flight = False
-        return self._process(out, plan, logits, now)
+        step = queue.pop()
+        return self._process(step, self.executor.collect())
 
-    def _schedule(self, max_seqs: int | None = None) -> tuple[SchedulerOutput, StepPlan, float] | None:
-        if self.proposer is not None:
-            self._propose()
-        out = self.scheduler.schedule(max_seqs)
+    def _schedule(self, max_seqs: int | None = None) -> ScheduledStep | None:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
+        out = self.scheduler.schedule(max_seqs, self.batch_queue.in_flight)
         if not out.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
                 seq = self.scheduler.waiting[0]
@@ -242,14 +177,14 @@ class EngineCore:
                                    f"({self.kv.pool.num_blocks} blocks) cannot hold it")
             return None
         now = time.monotonic()
-        self.iteration_stats.record(out, self.scheduler)
-        return out, plan_step(out, self.build_config.tokens_per_block, self.kv.block_tables), now
+        self.iteration_stats.record(out.scheduled, self.scheduler.waiting)
+        return ScheduledStep(out, plan_step(out, self.build_config.tokens_per_block, self.kv.block_tables), now)
 
-    def _process(self, out: SchedulerOutput, plan: StepPlan, logits: torch.Tensor, now: float) -> EngineCoreOutputs:
+    def _process(self, step: ScheduledStep, logits: torch.Tensor) -> EngineCoreOutputs:
         """The step's logits into tokens and outputs. A sequence aborted while its step was in
         flight is skipped: its blocks are already back in the pool."""
         touched: dict[str, tuple[Request, EngineCoreOutput]] = {}
-        for seq, n in out.scheduled:
+        for seq, n in step.out.scheduled:
             if seq.finished:
                 continue
             if not seq.draft_token_ids:  # a speculating one's count waits for the verification
@@ -257,26 +192,17 @@ class EngineCore:
                 self.kv.cache_full_blocks(seq)
             req = seq.request
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
+                req.first_scheduled_time = step.time
             self._output(touched, req)
-        for seq, first, rows in plan.prompt_rows:
-            if seq.finished:
-                continue
-            req = seq.request
-            targets = req.prompt_token_ids[first:first + len(rows)]
-            new = compute_prompt_logprobs(logits[rows], targets, req.params.prompt_logprobs)
-            req.prompt_logprobs.extend(new)
-            self._output(touched, req).new_prompt_logprobs = new
-        for seq, rows in plan.context_rows:
-            if seq.finished:
-                continue
-            req = seq.request
-            req.context_logits = logits[rows] if req.context_logits is None else torch.cat([req.context_logits,
-                                                                                           logits[rows]])
-            if len(req.context_logits) == req.num_prompt_tokens:
-                self._output(touched, req).context_logits = req.context_logits
-        self._sample([(seq, row) for seq, row in plan.sample if not seq.finished], logits, touched)
-        self._verify(plan.verify, logits, touched)
+        for seq, output, rows in step.plan.prompt_rows:
+            if not seq.finished:
+                output.take(logits[rows], self._output(touched, seq.request))
+        self._sample([(seq, row) for seq, row in step.plan.sample if not seq.finished], logits, touched)
+        if step.plan.verify:
+            for (seq, rows), res in zip(step.plan.verify, self.spec.verify(self.sampler, logits, step.plan.verify)):
+                seq.num_computed_tokens += 1 + res.num_accepted  # K/V of rejected drafts is overwritten later
+                self.kv.cache_full_blocks(seq)
+                self._emit(seq, res.token_ids, res.logprobs, touched, logits[rows])
         for req, o in touched.values():
             o.finished, o.first_token_time, o.num_cached_tokens = req.finished, req.first_token_time, req.num_cached_tokens
             o.num_draft_tokens, o.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
@@ -336,47 +262,6 @@ class EngineCore:
             req.finished_time = now
             self.requests.pop(req.request_id, None)
 
-    # -- speculative decoding --------------------------------------------------------------------
-    def _propose(self) -> None:
-        """Drafts for every decoding sequence, as many as its limits leave room for."""
-        seqs, ks = [], []
-        for seq in self.scheduler.running:
-            seq.draft_token_ids = []
-            req = seq.request
-            if req.forked and not seq.prefilling:
-                k = min(self.num_speculative_tokens, req.max_tokens - seq.num_output_tokens - 1,
-                        self.build_config.max_seq_len - seq.num_tokens)
-                if k > 0:
-                    seqs.append(seq)
-                    ks.append(k)
-        self.proposer.prune({id(s) for s in self.scheduler.running})
-        for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks)):
-            seq.draft_token_ids = drafts
-
-    def _verify(self, to_verify: list[tuple[Sequence, list[int]]], logits: torch.Tensor, touched: dict) -> None:
-        if not to_verify:
-            return
-        seqs = [seq for seq, _ in to_verify]
-        rows = [r for _, rs in to_verify for r in rs]
-        drafts = [seq.draft_token_ids for seq in seqs]
-        results = verify(self.sampler, logits[rows], [
-            SampleRow(s.request.params, s.request.prompt_token_ids, s.output_token_ids, s.generator,
-                      s.request.eos_token_ids) for s in seqs], drafts)
-        stats = self.spec_stats
-        for (seq, rs), d, res in zip(to_verify, drafts, results):
-            seq.draft_token_ids = []
-            seq.num_computed_tokens += 1 + res.num_accepted  # K/V of rejected drafts is simply overwritten later
-            self.kv.cache_full_blocks(seq)
-            req = seq.request
-            req.num_draft_tokens += len(d)
-            req.num_accepted_tokens += res.num_accepted
-            stats.num_drafts += 1
-            stats.num_draft_tokens += len(d)
-            stats.num_accepted_tokens += res.num_accepted
-            for pos in range(res.num_accepted):
-                stats.accepted_per_pos[pos] += 1
-            self._emit(seq, res.token_ids, res.logprobs, touched, logits[rs])
-
     def _fork(self, parent: Sequence) -> list[tuple[int, int]]:
         """The prompt is computed: make the request's other n - 1 samples, sharing its KV blocks."""
         req = parent.request
@@ -420,3 +305,79 @@ def _bounded(name: str, value: int | None, limit: int) -> int:
     if not 1 <= value <= limit:
         raise ValueError(f"{name} must be in [1, {limit}] (the engine's build limit), got {value}")
     return value
+
+
+# -- the core's own process (or thread) --------------------------------------------------------
+def run_engine_core(conn: Connection) -> None:
+    """The core's busy loop: take what arrived, step while there is work, send every step's outputs.
+    Its pipe carries requests and aborts in, outputs (with the scheduler's stats) out; a core whose
+    executor lost a rank sends the EngineDeadError saying which, and stops."""
+    try:
+        engine_dir, core_args = conn.recv()
+        core = EngineCore(engine_dir, **core_args)
+    except BaseException as e:  # noqa: BLE001 - the frontend raises it
+        conn.send(("failed", _picklable(e)))
+        conn.close()
+        return
+    conn.send(("ready", core.info))
+    try:
+        while True:
+            if not core.has_unfinished_requests():
+                # Idle: wait for work, or for a rank of the engine to die.
+                if conn not in wait([conn, *core.executor.sentinels]):
+                    core.executor.check()
+                    continue
+                if not _handle(core, conn.recv()):
+                    return
+            while conn.poll():
+                if not _handle(core, conn.recv()):
+                    return
+            conn.send(_step(core) if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats()))
+    except EngineDeadError as e:
+        try:
+            conn.send(e)
+        except (EOFError, OSError):
+            pass
+    except (EOFError, OSError):  # the frontend is gone: so is the core
+        return
+    finally:
+        core.shutdown()
+        conn.close()
+
+
+def _handle(core: EngineCore, message) -> bool:
+    kind = message[0]
+    if kind == "add":
+        core.add_request(message[1])
+    elif kind == "abort":
+        core.abort(message[1], message[2])
+    elif kind == "shutdown":
+        return False
+    return True
+
+
+def _step(core: EngineCore) -> EngineCoreOutputs:
+    try:
+        return core.step()
+    except EngineDeadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
+        ids = list(core.requests)
+        for rid in ids:
+            core.abort(rid)
+        return EngineCoreOutputs([], core.stats(), [(ids, f"{type(e).__name__}: {e}")])
+
+
+def _picklable(e: BaseException) -> BaseException:
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":  # the core process: python -m kiln.runtime.core.engine_core FD
+    # Ctrl+C reaches the whole process group; the frontend handles it (a server drains first, then
+    # shuts the core down) and the core ends when its pipe does.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run_engine_core(Pipe(int(sys.argv[1])))

@@ -17,9 +17,12 @@ import torch
 import torch.distributed as dist
 
 from kiln.config import ConfigError, EngineConfig
-from kiln.runtime.executor import EngineDeadError
-from kiln.runtime.shm_ring import decode, encode
-from kiln.runtime.worker import RankWorker, error_report, warmup_inputs
+from kiln.engine.format import warmup_inputs
+from kiln.runtime.executor.base import Executor
+from kiln.runtime.executor.shm_ring import decode, encode
+from kiln.runtime.executor.worker import RankWorker, error_report
+from kiln.runtime.messages import EngineDeadError
+from kiln.threads import configure_threads
 
 
 def _broadcast(message: bytearray | None = None):
@@ -53,9 +56,10 @@ def _load(worker: RankWorker, kv_cache_free_mem_fraction, max_tokens_in_paged_kv
     return num_blocks
 
 
-class TorchrunExecutor:
+class TorchrunExecutor(Executor):
     def __init__(self, engine_dir, kv_cache_free_mem_fraction: float | None = None,
                  max_tokens_in_paged_kv_cache: int | None = None):
+        super().__init__()
         self.config = EngineConfig.load(engine_dir)
         m = self.config.pretrained_config.mapping
         world, rank = int(os.environ.get("WORLD_SIZE", 0)), int(os.environ.get("RANK", -1))
@@ -76,7 +80,7 @@ class TorchrunExecutor:
             self.worker.close()
             raise
 
-    sentinels: list = []  # torchrun watches the processes; a dead rank fails the next collective
+    # sentinels: none. torchrun watches the processes; a dead rank fails the next collective.
 
     def check(self) -> None:
         if self.dead is not None:
@@ -113,8 +117,6 @@ class TorchrunExecutor:
 
 def serve_rank(engine_dir) -> int:
     """A rank other than 0 under torchrun: load, then run rank 0's steps until it says stop."""
-    from kiln.runtime.threads import configure_threads
-
     configure_threads()
     rank = int(os.environ["RANK"])
     worker = RankWorker(engine_dir, rank)

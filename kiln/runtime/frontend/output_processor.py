@@ -8,8 +8,8 @@ caller aborts the sample in the core.
 import time
 from dataclasses import dataclass, field
 
-from kiln.runtime.detokenizer import IncrementalDetokenizer
-from kiln.runtime.engine_core import EngineCoreOutput
+from kiln.runtime.frontend.detokenizer import IncrementalDetokenizer
+from kiln.runtime.messages import EngineCoreOutput
 from kiln.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 

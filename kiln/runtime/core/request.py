@@ -3,9 +3,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from kiln.runtime.sampler import SeedGenerator
+from kiln.runtime.core.prompt_logits import PromptOutput, prompt_outputs
+from kiln.runtime.core.sample.rows import SeedGenerator
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -15,7 +14,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # one sequence is equal only to itself (lists of them, sets of those in flight)
 class Sequence:
     request: "Request"
     index: int  # which of the request's n samples
@@ -29,7 +28,6 @@ class Sequence:
     num_cached_blocks: int = 0  # leading blocks of block_table that are in the prefix cache
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for this step, to be verified
     reserved_blocks: int = 0  # guaranteed_no_evict: blocks promised but not yet taken
-    in_flight: bool = False  # in a step submitted and not yet collected (pipeline parallel's batch queue)
     finish_reason: str | None = None
 
     @property
@@ -54,7 +52,7 @@ class Sequence:
         return self.status is Status.FINISHED
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -67,16 +65,25 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     sequences: list[Sequence] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    context_logits: torch.Tensor | None = None  # return_context_logits: the prompt positions computed so far
     forked: bool = False  # the n samples exist (after the prompt's last chunk)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     num_draft_tokens: int = 0  # speculative decoding: proposed, and accepted by the target
     num_accepted_tokens: int = 0
+    # What it asked for at prompt positions (prompt logprobs, context logits), taken step by step.
+    prompt_outputs: tuple[PromptOutput, ...] = field(init=False)
+
+    def __post_init__(self):
+        self.prompt_outputs = prompt_outputs(self.params, self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def cacheable_tokens(self) -> int:
+        """How many of its first tokens the prefix cache may serve: none from the first prompt position
+        whose logits are still owed, which must be computed."""
+        return min((o.next_position for o in self.prompt_outputs), default=self.max_len)
 
     @property
     def max_len(self) -> int:

@@ -5,7 +5,7 @@ shared-memory ring that every worker maps, and one byte down each worker's wake 
 is there. The rank that returns the logits (the last stage's tp rank 0) writes them into a second
 ring and says so on its reply pipe. With pipeline parallelism up to pp_size steps are in flight
 (`submit` / `collect`, the engine core's batch queue), so that each stage works on a different one.
-The ranks' collectives and stage sends run among the workers (kiln/runtime/distributed.py),
+The ranks' collectives and stage sends run among the workers (distributed.py),
 rendezvousing through a TCP store this process hosts.
 
 A worker that dies closes its reply pipe: the executor notices while waiting for a step (and the
@@ -22,20 +22,22 @@ import time
 import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from kiln.config import ConfigError, EngineConfig
-from kiln.runtime.executor import EngineDeadError
-from kiln.runtime.shm_ring import ShmRing, decode
-from kiln.runtime.worker import warmup_inputs
+from kiln.engine.format import warmup_inputs
+from kiln.runtime.executor.base import Executor
+from kiln.runtime.executor.shm_ring import ShmRing, decode
+from kiln.runtime.messages import EngineDeadError
+from kiln.utils import child_env
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(Executor):
     def __init__(self, engine_dir, kv_cache_free_mem_fraction: float | None = None,
                  max_tokens_in_paged_kv_cache: int | None = None, threads: int = 1):
+        super().__init__()
         self.config = EngineConfig.load(engine_dir)
         p, b = self.config.pretrained_config, self.config.build_config
         world = p.mapping.world_size
@@ -83,11 +85,9 @@ class MultiprocExecutor:
     def _spawn(self, rank: int, spec: dict) -> None:
         wake_r, wake_w = os.pipe()
         reply_r, reply_w = os.pipe()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(Path(__file__).parents[2])] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.worker", json.dumps(spec), str(wake_r),
-                                     str(reply_w)], pass_fds=[wake_r, reply_w], env=env)
+            proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.executor.worker", json.dumps(spec),
+                                     str(wake_r), str(reply_w)], pass_fds=[wake_r, reply_w], env=child_env())
         finally:
             os.close(wake_r)  # each pipe's other end lives in its worker only: its death ends the pipe
             os.close(reply_w)

@@ -1,6 +1,6 @@
 """`AsyncLLM`: asyncio streaming over an engine core that runs in a process of its own.
 
-The core's busy loop (core_client.run_engine_core) never waits for this side: requests and aborts go
+The core's busy loop (kiln/runtime/core/engine_core.py, run_engine_core) never waits for this side: requests and aborts go
 to it through a pipe, and a reader thread here turns each step's token ids into text and
 `RequestOutput`s and hands them to the streams' event loops, while the core takes the next step.
 If the core dies, every stream and every later call fails with `EngineDeadError`.
@@ -11,14 +11,13 @@ import itertools
 import threading
 from collections.abc import AsyncIterator
 
-from kiln.runtime.core_client import BackgroundClient, EngineDeadError
-from kiln.runtime.engine_core import SchedulerStats, stats_dict
-from kiln.runtime.input_processor import InputProcessor
-from kiln.runtime.llm_engine import eos_token_ids, frontend_tokenizer
-from kiln.runtime.output_processor import OutputProcessor
+from kiln.runtime.frontend.core_client import BackgroundClient
+from kiln.runtime.frontend.input_processor import InputProcessor
+from kiln.runtime.frontend.output_processor import OutputProcessor
+from kiln.runtime.frontend.tokenizer import eos_token_ids, frontend_tokenizer
+from kiln.runtime.messages import EngineDeadError, IterationStats, SchedulerStats, stats_dict
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.stats import IterationStats
 
 
 class AsyncLLM:

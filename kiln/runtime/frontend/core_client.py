@@ -2,38 +2,30 @@
 in a process (or a thread) of its own.
 
 `InprocClient` runs each call on the spot: `get_outputs()` is one engine step. `BackgroundClient`
-starts `run_engine_core`, which steps whenever it has work, sends each step's outputs at once and
-takes the next step while the frontend detokenizes and streams the last one (vLLM v1's engine core
-process). Its pipe carries requests and aborts one way, outputs (with the scheduler's stats) the
+starts `run_engine_core` (kiln/runtime/core/engine_core.py), which steps whenever it has work, sends
+each step's outputs at once and takes the next step while the frontend detokenizes and streams the
+last one (vLLM v1's engine core process). Its pipe carries requests and aborts one way, outputs (with the scheduler's stats) the
 other. A core process that dies closes its end of the pipe: the frontend's next read raises
 `EngineDeadError`, and so does every call after it. A core whose executor lost a rank sends the
 EngineDeadError saying which, and stops.
 """
 import os
-import pickle
 import socket
 import subprocess
 import sys
 import threading
-from multiprocessing.connection import Connection, wait
-from pathlib import Path
 
-from kiln.runtime.engine_core import EngineCore, EngineCoreOutputs, EngineCoreRequest
-from kiln.runtime.executor import EngineDeadError
+from kiln.runtime.core.engine_core import EngineCore, run_engine_core
+from kiln.runtime.messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError, Pipe
+from kiln.utils import child_env
 
 MODES = ("inproc", "thread", "process")
 
 
-class Pipe(Connection):
-    """A connection that pickles by value. multiprocessing's pickler sends a tensor's storage as a
-    file descriptor fetched from the sender's resource sharer, which authenticates with
-    multiprocessing's per-process key: a core started by subprocess has another one."""
-
-    def send(self, obj) -> None:
-        self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
-
-    def recv(self):
-        return pickle.loads(self.recv_bytes())
+def make_client(engine_dir, engine_core: str, core_args: dict):
+    if engine_core == "inproc":
+        return InprocClient(engine_dir, **core_args)
+    return BackgroundClient(engine_dir, engine_core, **core_args)
 
 
 class InprocClient:
@@ -74,9 +66,8 @@ class BackgroundClient:
         if mode == "process":
             # A fresh interpreter running this module (not multiprocessing's spawn, which re-imports
             # the caller's __main__ and so needs an `if __name__ == "__main__"` guard in every script).
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                [str(Path(__file__).parents[2])] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-            self.worker = subprocess.Popen([sys.executable, "-m", "kiln.runtime.core_client", str(theirs.fileno())],
+            env = child_env()
+            self.worker = subprocess.Popen([sys.executable, "-m", "kiln.runtime.core.engine_core", str(theirs.fileno())],
                                            pass_fds=[theirs.fileno()], env=env)
             theirs.close()  # the core's end lives in its process only: its death ends the pipe
         else:
@@ -162,78 +153,3 @@ class BackgroundClient:
             pass
         self._join(timeout)
         self.conn.close()
-
-
-def run_engine_core(conn: Connection) -> None:
-    """The core's busy loop: take what arrived, step while there is work, send every step's outputs."""
-    try:
-        engine_dir, core_args = conn.recv()
-        core = EngineCore(engine_dir, **core_args)
-    except BaseException as e:  # noqa: BLE001 - the frontend raises it
-        conn.send(("failed", _picklable(e)))
-        conn.close()
-        return
-    conn.send(("ready", core.info))
-    try:
-        while True:
-            if not core.has_unfinished_requests():
-                # Idle: wait for work, or for a rank of the engine to die.
-                if conn not in wait([conn, *core.executor.sentinels]):
-                    core.executor.check()
-                    continue
-                if not _handle(core, conn.recv()):
-                    return
-            while conn.poll():
-                if not _handle(core, conn.recv()):
-                    return
-            conn.send(_step(core) if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats()))
-    except EngineDeadError as e:
-        try:
-            conn.send(e)
-        except (EOFError, OSError):
-            pass
-    except (EOFError, OSError):  # the frontend is gone: so is the core
-        return
-    finally:
-        core.shutdown()
-        conn.close()
-
-
-def _handle(core: EngineCore, message) -> bool:
-    kind = message[0]
-    if kind == "add":
-        core.add_request(message[1])
-    elif kind == "abort":
-        core.abort(message[1], message[2])
-    elif kind == "shutdown":
-        return False
-    return True
-
-
-def _step(core: EngineCore) -> EngineCoreOutputs:
-    try:
-        return core.step()
-    except EngineDeadError:
-        raise
-    except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
-        ids = list(core.requests)
-        for rid in ids:
-            core.abort(rid)
-        return EngineCoreOutputs([], core.stats(), [(ids, f"{type(e).__name__}: {e}")])
-
-
-def _picklable(e: BaseException) -> BaseException:
-    try:
-        pickle.dumps(e)
-        return e
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(e).__name__}: {e}")
-
-
-if __name__ == "__main__":  # the core process: python -m kiln.runtime.core_client FD
-    import signal
-
-    # Ctrl+C reaches the whole process group; the frontend handles it (a server drains first, then
-    # shuts the core down) and the core ends when its pipe does.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_engine_core(Pipe(int(sys.argv[1])))

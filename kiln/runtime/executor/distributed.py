@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from kiln.config import BuildConfig, Mapping, PretrainedConfig
 from kiln.models.parallel import TP_GROUP
+from kiln.plugins import cpp
+from kiln.runtime.executor.shm_ring import SHM, sweep
 
 # How long a collective waits for a rank that is alive but silent (a rank that dies ends it at once).
 TIMEOUT = timedelta(seconds=float(os.environ.get("KILN_DISTRIBUTED_TIMEOUT", 600)))
@@ -49,9 +51,6 @@ class RankGroups:
                 self._attach_shm(pretrained, build)
 
     def _attach_shm(self, pretrained: PretrainedConfig, build: BuildConfig) -> None:
-        from kiln.plugins import cpp
-        from kiln.runtime.shm_ring import SHM, sweep
-
         cpp.load()
         key = [str(SHM / f"kiln-{os.getpid()}-tp{self.pp_rank}-{os.urandom(4).hex()}")
                if self.tp_rank == 0 else None]

@@ -6,21 +6,25 @@ tensor-parallel ranks gather them inside the engine) and its tp rank 0 returns t
 the same step inputs, block tables included: its KV pool holds its own heads and layers of the same
 blocks.
 
-`python -m kiln.runtime.worker` is a rank's process under the multiprocess executor
-(kiln/runtime/multiproc_executor.py): it reads each message the executor broadcasts through the
+`python -m kiln.runtime.executor.worker` is a rank's process under the multiprocess executor
+(multiproc.py): it reads each message the executor broadcasts through the
 shared-memory ring, one per byte on its wake pipe, and answers on its reply pipe.
 """
 import json
 import os
 import signal
 import sys
+from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch
+import torch.distributed as dist
 
 from kiln.config import EngineConfig, torch_dtype
-from kiln.runtime.distributed import RankGroups
-from kiln.runtime.engine import Engine
+from kiln.engine.loader import RankEngine
+from kiln.runtime.executor.distributed import RankGroups
+from kiln.runtime.executor.shm_ring import ShmRing, encode
+from kiln.threads import configure_threads
 
 
 class RankWorker:
@@ -36,11 +40,11 @@ class RankWorker:
         self.is_last = self.pp_rank == m.pp_size - 1
         self.returns_logits = self.is_last and m.tp_rank(rank) == 0
         self.groups = RankGroups(self.pretrained, config.build_config, rank, store)
-        self.engine: Engine | None = None
+        self.engine: RankEngine | None = None
 
     def load(self, kv_cache_free_mem_fraction=None, max_tokens_in_paged_kv_cache=None, ranks_per_machine: int = 1):
         """This rank's engine; returns the KV blocks it could hold."""
-        self.engine = Engine(self.engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache,
+        self.engine = RankEngine(self.engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache,
                              rank=self.rank, ranks_per_machine=ranks_per_machine, allocate=False)
         return self.engine.num_blocks
 
@@ -63,31 +67,12 @@ class RankWorker:
         self.groups.close()
 
 
-def warmup_inputs() -> dict:
-    """One decode token at position 0 of block 0: every rank runs every collective and send of a step
-    once while loading, so that a rank that cannot fails the start. Block 0's slot is written
-    before any sequence reads it."""
-    i64, i32 = dict(dtype=torch.int64), dict(dtype=torch.int32)
-    return dict(input_ids=torch.zeros(1, **i64), positions=torch.zeros(1, **i64), slot_mapping=torch.zeros(1, **i64),
-                ctx_token_index=torch.zeros(0, 1, **i64), ctx_block_tables=torch.zeros(0, 1, **i32),
-                ctx_context_lens=torch.zeros(0, **i32), gen_token_index=torch.zeros(1, **i64),
-                gen_block_tables=torch.zeros(1, 1, **i32), gen_context_lens=torch.ones(1, **i32),
-                logits_index=torch.zeros(1, **i64))
-
-
 def error_report(rank: int, e: BaseException) -> tuple[str, str]:
     reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return type(e).__name__, f"rank {rank} (pid {os.getpid()}): {reason or type(e).__name__}"
 
 
 def main(spec: dict, wake_fd: int, reply: Connection) -> int:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from kiln.runtime.shm_ring import ShmRing, encode
-    from kiln.runtime.threads import configure_threads
-
     rank = spec["rank"]
     try:
         configure_threads(spec["threads"])
@@ -123,6 +108,6 @@ def main(spec: dict, wake_fd: int, reply: Connection) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m kiln.runtime.worker SPEC_JSON WAKE_FD REPLY_FD
+if __name__ == "__main__":  # python -m kiln.runtime.executor.worker SPEC_JSON WAKE_FD REPLY_FD
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the process group; the executor decides
     sys.exit(main(json.loads(sys.argv[1]), int(sys.argv[2]), Connection(int(sys.argv[3]))))

@@ -3,15 +3,51 @@ from pathlib import Path
 
 import psutil
 import torch
+import torch.utils._pytree as pytree
 
-from kiln.build import backends
-from kiln.build.export import kv_cache_dtype
 from kiln.config import ConfigError, EngineConfig
-from kiln.models.llama import HIDDEN_STATES, STEP_INPUTS
-from kiln.runtime import extraction
+from kiln.engine import extraction
+from kiln.engine.format import HIDDEN_STATES, STEP_INPUTS, engine_file, kv_cache_dtype, uses_cpp_plugins
 
 
-class Engine:
+class AOTIModel:
+    """Runs a loaded AOTInductor package on keyword arguments, as torch's AOTICompiledModel does, but
+    without importing torch.export's serializer and with it dynamo: 1.4 s of CPU that a process
+    loading only an engine need not spend."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        in_spec, self.out_spec = (pytree.treespec_loads(spec) for spec in loader.get_call_spec())
+        self.input_names = in_spec.child(1).context  # the order the package takes its keyword arguments in
+
+    def __call__(self, **inputs):
+        flat = self.loader.boxed_run([inputs[name] for name in self.input_names])
+        return pytree.tree_unflatten(flat, self.out_spec)
+
+
+def load(backend: str, path: Path, unpacked: Path | None = None):
+    """A callable taking the step inputs as keyword arguments and returning logits.
+
+    unpacked: for aoti, a folder holding the files of the package at path
+    (kiln/engine/extraction.py), which AOTInductor's loader runs from without writing anything;
+    without it the loader unpacks the package into $TMPDIR itself."""
+    import kiln.plugins  # noqa: F401  (registers the kiln:: ops the engine calls)
+
+    if uses_cpp_plugins(Path(path).parent):
+        from kiln.plugins import cpp
+
+        cpp.ensure_built()  # registers the kiln_cpp:: ops (building them once if this machine has not)
+    if backend == "aoti":
+        # The loader itself: aoti_load_package cannot take a folder, and given a file object (a
+        # path would have to end in .pt2) it first copies the whole package to a temporary file.
+        return AOTIModel(torch._C._aoti.AOTIModelPackageLoader(str(unpacked or path), "model", False, 1, -1))
+    if backend == "eager":
+        with open(path, "rb") as f:
+            return torch.export.load(f).module()
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+class RankEngine:
     """rank: which rank engine (rank{N}.engine) to load. ranks_per_machine: ranks whose KV pools
     share this machine's memory. allocate=False leaves the pool to allocate(), once the ranks have
     agreed on one size (each holds its own shard of the same blocks)."""
@@ -27,12 +63,13 @@ class Engine:
                               f"{pretrained.mapping.world_size}")
         self.rank = rank
         self.num_layers = len(pretrained.layers_of(pretrained.mapping.pp_rank(rank)))
-        path = self.engine_dir / f"rank{rank}.engine"
+        path = engine_file(self.engine_dir, rank)
         if not path.is_file():
             raise ConfigError(f"{path} not found: the engine dir is incomplete; rebuild it with `engine-build`")
         try:
-            self.model = (extraction.load_aoti(path) if build.backend == "aoti"
-                          else backends.load(build.backend, path))
+            # aoti: unpacked once, into a folder of this process's own (extraction.py)
+            self.model = (extraction.load_unpacked(path, lambda folder: load("aoti", path, unpacked=folder))
+                          if build.backend == "aoti" else load(build.backend, path))
         except (ImportError, extraction.UnpackError):  # a broken install or a full disk, not a broken engine file
             raise
         except Exception as e:  # a truncated/corrupt file surfaces as zipfile/torch errors

@@ -13,158 +13,24 @@ Order of operations for each row, as vLLM:
    set of top tokens whose probability reaches p), min-p (drop tokens with
    ``prob < min_p * max_prob``), then sample by inverse CDF (one uniform draw per row).
 
-A draw's uniform is a hash of (seed, stream, output position): for a seeded row (its
-``generator``, from ``make_generator(seed, index)``) the request's seed and the sample's index, so
-seeded rows are reproducible whatever else is in the batch, with no state to carry (a preempted and
-recomputed sequence draws the same again); for the others a key drawn once per call from torch's
-default generator and the row's place in the batch.
+Draws are counter-based (rows.py).
 
 Logprobs (``params.logprobs``) come from ``log_softmax`` of the RAW logits (vLLM v1), before
 penalties and temperature.
 
-``TorchSampler`` is this spec, vectorized over the batch with torch ops; ``Sampler`` runs the
-kiln_cpp library's sampler (kiln/plugins/csrc/sampler.cpp: one call a batch, a few passes a row, no
-sort of the vocabulary, top-p by rejection sampling, so its seeded draws differ from this one's
-wherever top-p cuts) when the library loads and the logits are on the CPU, ``TorchSampler``
-otherwise.
+``TorchSampler`` is this spec, vectorized over the batch with torch ops: the reference the C++
+sampler (sampler.py) is held to, and the sampler wherever that one cannot run.
 """
 
 from __future__ import annotations
 
-import os
-import warnings
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from kiln.runtime.core.sample.rows import (SampleOutput, SampleRow, call_key, completing_bad_words, draw_stream,
+                                           draw_uniform, logprob_dicts)
 from kiln.runtime.sampling_params import SamplingParams
-
-__all__ = ["SampleRow", "SampleOutput", "Sampler", "TorchSampler", "SeedGenerator", "compute_prompt_logprobs",
-           "make_generator"]
-
-
-@dataclass(frozen=True)
-class SeedGenerator:
-    """A seeded sample's draws: counter-based, the uniform for output position t is a hash of
-    (seed, index, t), so it needs no state and two samples of one request are independent."""
-
-    seed: int
-    index: int = 0  # which of the request's n samples
-
-
-@dataclass
-class SampleRow:
-    """One row of logits to sample from."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # tokens generated so far by this sequence
-    generator: SeedGenerator | None = None  # a seeded request's draws; None = the process RNG
-    eos_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class SampleOutput:
-    token_ids: list[int]  # one per row
-    # Per row when params.logprobs is not None: {sampled token: logprob, then the top-n tokens}.
-    logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    # Per row when params.logprobs is not None: 1-based rank of the sampled token in the raw
-    # distribution (1 + number of tokens with a strictly larger logprob).
-    ranks: list[int | None] = field(default_factory=list)
-
-
-def make_generator(seed: int, index: int = 0) -> SeedGenerator:
-    """The draws of sample ``index`` of a request seeded with ``seed`` (any int)."""
-    return SeedGenerator(seed, index)
-
-
-_M64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-
-
-def _absorb(h: int, word: int) -> int:
-    """splitmix64's mix of (h ^ word) + gamma; sampler_kernel.h has the same."""
-    z = ((h ^ (word & _M64)) + _GAMMA) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
-
-
-def draw_uniform(seed: int, stream: int, position: int, round: int = 0) -> float:
-    """The uniform in [0, 1) (53 bits) of draw ``round`` at output ``position`` of (seed, stream)."""
-    h = _GAMMA
-    for word in (seed, stream, position):
-        h = _absorb(h, word)
-    return (_absorb(h, round) >> 11) * 2.0 ** -53
-
-
-def call_key(rows: Sequence[SampleRow]) -> int:
-    """The key of a call's unseeded sampled rows: one draw from torch's default generator, made only
-    when the call has such a row (seeded and greedy batches leave the generator alone)."""
-    if any(r.generator is None and not r.params.greedy for r in rows):
-        return int(torch.empty((), dtype=torch.int64).random_())
-    return 0
-
-
-def draw_stream(row: SampleRow, j: int, key: int) -> tuple[int, int]:
-    """(seed, stream) of row ``j`` of a batch: its generator's, or the call's key and ``j``."""
-    g = row.generator
-    if g is None:
-        return key, j
-    if not isinstance(g, SeedGenerator):
-        raise TypeError(f"SampleRow.generator must be a SeedGenerator (make_generator(seed, index)) or "
-                        f"None, got {type(g).__name__}")
-    return g.seed, g.index
-
-
-def _logprob_dicts(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
-                   want_ranks: bool) -> tuple[list[dict[int, float]], list[int] | None]:
-    """lp [R, V] log-probs, chosen [R] token ids -> per row {chosen: lp, top-n...} (+ ranks)."""
-    chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    max_n = max(top_ns) if top_ns else 0
-    if max_n > 0:
-        top_v, top_i = lp.topk(min(max_n, lp.shape[1]), dim=1)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-    ranks = None
-    if want_ranks:
-        ranks = ((lp > chosen_lp.unsqueeze(1)).sum(dim=1) + 1).tolist()
-    chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
-    out = []
-    for r, n in enumerate(top_ns):
-        d = {chosen_l[r]: chosen_lp_l[r]}
-        for j in range(n):
-            d.setdefault(top_i[r][j], top_v[r][j])
-        out.append(d)
-    return out, ranks
-
-
-def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int] | torch.Tensor,
-                            top_n: int) -> list[dict[int, float]]:
-    """Prompt logprobs: for each position p, {next_token_ids[p]: logprob, then the top-n tokens},
-    from ``log_softmax(logits[p])`` (raw logits, float32)."""
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D [P, vocab], got shape {tuple(logits.shape)}")
-    nxt = torch.as_tensor(next_token_ids, dtype=torch.long, device=logits.device).reshape(-1)
-    if nxt.shape[0] != logits.shape[0]:
-        raise ValueError(f"next_token_ids must have {logits.shape[0]} entries (one per logits "
-                         f"row), got {nxt.shape[0]}")
-    if top_n < 0:
-        raise ValueError(f"top_n must be >= 0, got {top_n}")
-    if logits.shape[0] == 0:
-        return []
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    out, _ = _logprob_dicts(lp, nxt, [top_n] * logits.shape[0], want_ranks=False)
-    return out
-
-
-def _completing_bad_words(words: list[list[int]], prompt: Sequence[int], output: Sequence[int],
-                          vocab: int) -> list[int]:
-    """The tokens that would complete a bad word now (its other tokens end prompt + output)."""
-    k = max(len(w) for w in words) - 1
-    tail = [*prompt[max(len(prompt) - k, 0):], *output[max(len(output) - k, 0):]][-k:] if k else []
-    return sorted({w[-1] for w in words
-                   if w[-1] < vocab and (len(w) == 1 or tail[len(tail) - len(w) + 1:] == w[:-1])})
 
 
 # Top-p looks for its nucleus among this many most likely tokens first: a partial top-k instead of
@@ -238,7 +104,7 @@ class TorchSampler:
                 li = torch.tensor(lp_idx, device=device)
                 sub, ch = raw[li], sampled[li]
             lp = torch.log_softmax(sub, dim=-1)
-            dicts, rk = _logprob_dicts(lp, ch, [params[i].logprobs for i in lp_idx], True)
+            dicts, rk = logprob_dicts(lp, ch, [params[i].logprobs for i in lp_idx], True)
             for j, i in enumerate(lp_idx):
                 logprobs[i] = dicts[j]
                 ranks[i] = rk[j]
@@ -270,7 +136,7 @@ class TorchSampler:
                 mr.extend([i] * len(ids))
                 mt.extend(ids)
             if p.bad_words_ids:
-                ids = _completing_bad_words(p.bad_words_ids, r.prompt_token_ids, r.output_token_ids, V)
+                ids = completing_bad_words(p.bad_words_ids, r.prompt_token_ids, r.output_token_ids, V)
                 mr.extend([i] * len(ids))
                 mt.extend(ids)
         if mr:
@@ -378,62 +244,3 @@ class TorchSampler:
             logmp = torch.tensor(mps, dtype=torch.float32, device=device).log().unsqueeze(1)
             s.masked_fill_(s - mx < logmp, ninf)
         return s
-
-
-BACKENDS = ("auto", "cpp", "torch")
-_cpp_unavailable: str | None = None  # why the C++ sampler cannot load here, once known
-
-
-def _cpp_loads() -> bool:
-    global _cpp_unavailable
-    if _cpp_unavailable is None:
-        from kiln.plugins import cpp
-        try:
-            cpp.load()
-            _cpp_unavailable = ""
-        except cpp.PluginBuildError as e:
-            _cpp_unavailable = str(e)
-            warnings.warn(f"kiln: the C++ sampler is unavailable, sampling with torch ops instead: {e}",
-                          RuntimeWarning, stacklevel=4)
-    return not _cpp_unavailable
-
-
-class Sampler:
-    """``Sampler(backend)(logits [N, V], rows) -> SampleOutput``, the spec above. Does not modify
-    ``logits``. backend: "cpp" (kiln_cpp's sampler; CPU logits), "torch" (``TorchSampler``), or
-    "auto" (the default, or $KILN_SAMPLER): cpp for CPU logits where the library builds and loads
-    (built once, by `make install` or on first use), torch otherwise, with a warning saying why."""
-
-    def __init__(self, backend: str | None = None):
-        backend = backend or os.environ.get("KILN_SAMPLER") or "auto"
-        if backend not in BACKENDS:
-            raise ValueError(f"sampler backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        if backend == "cpp":
-            from kiln.plugins import cpp
-            cpp.load()  # a PluginBuildError says why not
-        from kiln.runtime import sampler_cpp  # packs rows for the op; imports this module
-
-        self.backend = backend
-        self.reference = TorchSampler()
-        self.cpp = sampler_cpp
-
-    def _use_cpp(self, logits: torch.Tensor) -> bool:
-        if self.backend == "torch":
-            return False
-        if logits.device.type != "cpu":
-            if self.backend == "cpp":
-                raise ValueError(f"the cpp sampler takes CPU logits, got logits on {logits.device}")
-            return False
-        return self.backend == "cpp" or _cpp_loads()
-
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
-        if not self._use_cpp(logits):
-            return self.reference(logits, rows)
-        return self.cpp.sample(logits, rows)
-
-    def process_logits(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """The logits after min_tokens masking and the penalties (steps 1-3), as a new float32
-        tensor: what greedy rows take the argmax of, before temperature/top-k/top-p/min-p."""
-        if not self._use_cpp(logits):
-            return self.reference.process_logits(logits, rows)
-        return self.cpp.process_logits(logits, rows)

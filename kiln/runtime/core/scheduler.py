@@ -14,12 +14,21 @@ A sequence in a step still in flight (pipeline parallel: the engine core keeps u
 in flight) is neither scheduled nor preempted until that step's tokens are back.
 """
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
-from kiln.runtime.kv_cache_manager import KVCacheManager
-from kiln.runtime.sequence import Request, Sequence, Status
+from kiln.runtime.core.kv_cache_manager import KVCacheManager
+from kiln.runtime.core.request import Request, Sequence, Status
 
 POLICIES = ("max_utilization", "guaranteed_no_evict")
+
+
+@dataclass
+class SchedulerCounters:
+    """Cumulative since the engine started (vLLM's prefix cache counters count tokens)."""
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens of the sequences admitted
+    prefix_cache_hits: int = 0  # of those, found in the prefix cache
 
 
 @dataclass
@@ -45,13 +54,14 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.counters = SchedulerCounters()
 
     def add(self, request: Request) -> None:
         self.waiting.extend(request.sequences)
 
-    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
-        """max_seqs: fewer sequences than max_batch_size in this step (a pipeline's micro-batch)."""
+    def schedule(self, max_seqs: int | None = None, in_flight: Container[Sequence] = ()) -> SchedulerOutput:
+        """max_seqs: fewer sequences than max_batch_size in this step (a pipeline's micro-batch);
+        in_flight: sequences of steps not yet collected, left alone."""
         out = SchedulerOutput()
         budget = self.max_num_tokens
         limit = self.max_batch_size if max_seqs is None else min(max_seqs, self.max_batch_size)
@@ -59,7 +69,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < limit:
             seq = self.running[i]
-            if seq.in_flight:
+            if seq in in_flight:
                 i += 1
                 continue
             if seq.draft_token_ids:  # the last token and the drafts, if they fit without evicting anyone
@@ -77,7 +87,7 @@ class Scheduler:
                     raise RuntimeError(f"KV cache reservation broken for request {seq.request.request_id}")
                 # The latest admitted not in flight goes first: at worst seq itself, so never one
                 # already scheduled in this step.
-                victim = next(s for s in reversed(self.running) if not s.in_flight)
+                victim = next(s for s in reversed(self.running) if s not in in_flight)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -114,8 +124,8 @@ class Scheduler:
                 break
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = cached
-            self.kv.queries += seq.num_tokens
-            self.kv.hits += cached
+            self.counters.prefix_cache_queries += seq.num_tokens
+            self.counters.prefix_cache_hits += cached
             held += headroom
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -149,7 +159,7 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:

@@ -1,16 +1,21 @@
-"""Turns a scheduled step into the engine's flat input tensors (DESIGN.md, "The engine step").
+"""Plans a scheduled step: the engine's flat input tensors (DESIGN.md, "The engine step"; their
+names: kiln/engine/format.py) and which rows of the logits it returns go where.
 
 A speculating sequence (DESIGN.md) goes through the context phase with its last token and its
-draft tokens, and gets logits at every one of them. Block tables come from the KV cache manager's
-`block_tables` rows (one per sequence holding blocks, kept up to date as blocks are added): a step
-gathers the rows it needs. Slots come from each sequence's block_table list, one per token.
+draft tokens, and gets logits at every one of them. A request asking for outputs at prompt
+positions (kiln/runtime/core/prompt_logits.py) gets the rows of those the step computes.
+
+Block tables come from the KV cache manager's `block_tables` rows (one per sequence holding
+blocks, kept up to date as blocks are added): a step gathers the rows it needs. Slots come from
+each sequence's block_table list, one per token.
 """
 from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.scheduler import SchedulerOutput
-from kiln.runtime.sequence import Sequence
+from kiln.runtime.core.prompt_logits import PromptOutput
+from kiln.runtime.core.request import Sequence
+from kiln.runtime.core.scheduler import SchedulerOutput
 
 I64 = dict(dtype=torch.int64)
 
@@ -20,10 +25,8 @@ class StepPlan:
     inputs: dict
     # Sequences to sample, each with its row in the logits.
     sample: list[tuple[Sequence, int]] = field(default_factory=list)
-    # Prompt logprobs: (sequence, first prompt position predicted, logits rows).
-    prompt_rows: list[tuple[Sequence, int, list[int]]] = field(default_factory=list)
-    # return_context_logits: (sequence, logits rows of the prompt positions it computes this step).
-    context_rows: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    # Outputs at prompt positions: (sequence, the output, logits rows of the positions it takes now).
+    prompt_rows: list[tuple[Sequence, PromptOutput, list[int]]] = field(default_factory=list)
     # Speculating sequences: their logits rows, at the last token and at each draft token.
     verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)
 
@@ -69,19 +72,10 @@ def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.T
             ctx_index.append(range(first, first + n))
             ctx_rows.append(seq.row)
             ctx_lens.append(end)
-        req = seq.request
-        if req.prompt_logprobs is not None:
-            # Logits at position p predict prompt token p + 1; after a preemption the positions
-            # already scored are not scored again.
-            lo, hi = max(start, len(req.prompt_logprobs) - 1), min(end, req.num_prompt_tokens - 1)
+        for output in seq.request.prompt_outputs:
+            lo, hi = max(start, output.next_position), min(end, output.end)
             if lo < hi:
-                plan.prompt_rows.append((seq, lo + 1, list(range(len(logits_index), len(logits_index) + hi - lo))))
-                logits_index.extend(range(first + lo - start, first + hi - start))
-        if req.params.return_context_logits:
-            done = 0 if req.context_logits is None else len(req.context_logits)
-            lo, hi = max(start, done), min(end, req.num_prompt_tokens)
-            if lo < hi:
-                plan.context_rows.append((seq, list(range(len(logits_index), len(logits_index) + hi - lo))))
+                plan.prompt_rows.append((seq, output, list(range(len(logits_index), len(logits_index) + hi - lo))))
                 logits_index.extend(range(first + lo - start, first + hi - start))
         if seq.draft_token_ids:  # the last token and every draft: the target's next-token rows
             plan.verify.append((seq, list(range(len(logits_index), len(logits_index) + n))))

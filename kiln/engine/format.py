@@ -1,0 +1,55 @@
+"""The engine format: what a rank engine takes and returns (DESIGN.md, "The engine step").
+
+engine-build writes an engine dir of `config.json` (`pretrained_config` + `build_config`) and one
+`rank{N}.engine` per rank; the runtime loads them (kiln/engine/loader.py). Both sides agree on the
+names below, the KV pool's dtype and the files, and on nothing else of each other.
+"""
+import json
+from pathlib import Path
+
+import torch
+
+from kiln.config import BuildConfig, PretrainedConfig, torch_dtype
+
+# The keyword arguments of one engine step, in the order the model takes them; all are tensors whose
+# shapes carry the step's sizes, built by the host (kiln/runtime/core/step_plan.py).
+STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "ctx_token_index", "ctx_block_tables",
+               "ctx_context_lens", "gen_token_index", "gen_block_tables", "gen_context_lens",
+               "logits_index", "kv_cache")
+# Pipeline stages after the first also take the previous stage's output, [T, hidden_size]; a stage
+# before the last returns it instead of logits.
+HIDDEN_STATES = "hidden_states"
+
+KV_CACHE_QUANT_DTYPES = {"FP8": torch.float8_e4m3fn, "INT8": torch.int8}
+
+
+def engine_file(engine_dir, rank: int) -> Path:
+    return Path(engine_dir) / f"rank{rank}.engine"
+
+
+def kv_cache_dtype(pretrained: PretrainedConfig, build: BuildConfig) -> torch.dtype:
+    algo = pretrained.quantization.kv_cache_quant_algo
+    if algo:
+        return KV_CACHE_QUANT_DTYPES[algo]
+    return torch_dtype(build.kv_cache_dtype or pretrained.dtype)
+
+
+def uses_cpp_plugins(engine_dir) -> bool:
+    """Whether the engine in engine_dir was built with a C++ plugin (kiln_cpp:: ops in its graph)."""
+    try:
+        plugins = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]["plugin_config"]
+        return "cpp" in plugins.values()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def warmup_inputs() -> dict:
+    """One decode token at position 0 of block 0, without the KV pool: every rank runs every
+    collective and send of a step once while loading, so that a rank that cannot fails the start.
+    Block 0's slot is written before any sequence reads it."""
+    i64, i32 = dict(dtype=torch.int64), dict(dtype=torch.int32)
+    return dict(input_ids=torch.zeros(1, **i64), positions=torch.zeros(1, **i64), slot_mapping=torch.zeros(1, **i64),
+                ctx_token_index=torch.zeros(0, 1, **i64), ctx_block_tables=torch.zeros(0, 1, **i32),
+                ctx_context_lens=torch.zeros(0, **i32), gen_token_index=torch.zeros(1, **i64),
+                gen_block_tables=torch.zeros(1, 1, **i32), gen_context_lens=torch.ones(1, **i32),
+                logits_index=torch.zeros(1, **i64))

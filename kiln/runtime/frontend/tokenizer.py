@@ -1,0 +1,35 @@
+"""The frontend's tokenizer: the one engine-build copied into the engine dir, or none."""
+from kiln.config import ConfigError
+from kiln.convert.writer import TOKENIZER_VOCAB_FILES, has_tokenizer
+
+
+def load_tokenizer(engine_dir):
+    """The tokenizer engine-build copied into the engine dir; a one-line error if there is none."""
+    from transformers import AutoTokenizer  # heavy: only where a tokenizer is loaded
+
+    fix = ("rebuild it with engine-build --tokenizer_dir <HF model dir>, or load it with "
+           "skip_tokenizer_init=True (kiln serve --skip-tokenizer-init) and send prompt_token_ids")
+    if not has_tokenizer(engine_dir):
+        raise ConfigError(f"engine dir {engine_dir} has no tokenizer (none of "
+                          f"{', '.join(TOKENIZER_VOCAB_FILES)}): {fix}")
+    try:
+        return AutoTokenizer.from_pretrained(str(engine_dir))
+    except Exception as e:  # transformers' own errors say nothing about where the files came from
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"cannot load the tokenizer in engine dir {engine_dir} ({first}): {fix}") from None
+
+
+def frontend_tokenizer(engine_dir, tokenizer, skip_tokenizer_init: bool):
+    """The tokenizer given, else the engine dir's; None with skip_tokenizer_init (vLLM's name: prompts
+    are token ids, outputs have empty text). Loaded before the engine, so that a missing one fails fast."""
+    if tokenizer is not None or skip_tokenizer_init:
+        return tokenizer
+    return load_tokenizer(engine_dir)
+
+
+def eos_token_ids(model_config, tokenizer) -> tuple[int, ...]:
+    ids = model_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(ids)))

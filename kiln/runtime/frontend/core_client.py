@@ -4,8 +4,8 @@ in a process (or a thread) of its own.
 `InprocClient` runs each call on the spot: `get_outputs()` is one engine step. `BackgroundClient`
 starts `run_engine_core` (kiln/runtime/core/engine_core.py), which steps whenever it has work, sends
 each step's outputs at once and takes the next step while the frontend detokenizes and streams the
-last one (vLLM v1's engine core process). Its pipe carries requests and aborts one way, outputs (with the scheduler's stats) the
-other. A core process that dies closes its end of the pipe: the frontend's next read raises
+last one (vLLM v1's engine core process). Its pipe carries requests and aborts one way, outputs
+(with the scheduler's stats) the other. A core process that dies closes its end of the pipe: the frontend's next read raises
 `EngineDeadError`, and so does every call after it. A core whose executor lost a rank sends the
 EngineDeadError saying which, and stops.
 """
@@ -18,8 +18,6 @@ import threading
 from kiln.runtime.core.engine_core import EngineCore, run_engine_core
 from kiln.runtime.messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError, Pipe
 from kiln.utils import child_env
-
-MODES = ("inproc", "thread", "process")
 
 
 def make_client(engine_dir, engine_core: str, core_args: dict):

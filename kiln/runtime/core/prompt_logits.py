@@ -18,18 +18,14 @@ class PromptLogprobs:
 
     def __init__(self, top_n: int, prompt_token_ids: list[int]):
         self.top_n, self.prompt_token_ids = top_n, prompt_token_ids
-        self.logprobs: list[dict[int, float] | None] = [None]
+        self.next_position = 0  # the frontend keeps the logprobs; the core only how far they have got
         self.end = len(prompt_token_ids) - 1  # the last position scores nothing
 
-    @property
-    def next_position(self) -> int:
-        return len(self.logprobs) - 1
-
     def take(self, logits: torch.Tensor, output: EngineCoreOutput) -> None:
-        first = len(self.logprobs)
-        new = compute_prompt_logprobs(logits, self.prompt_token_ids[first:first + len(logits)], self.top_n)
-        self.logprobs.extend(new)
-        output.new_prompt_logprobs = new
+        first = self.next_position + 1
+        output.new_prompt_logprobs = compute_prompt_logprobs(
+            logits, self.prompt_token_ids[first:first + len(logits)], self.top_n)
+        self.next_position += len(logits)
 
 
 class ContextLogits:

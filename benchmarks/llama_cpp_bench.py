@@ -149,17 +149,20 @@ class LlamaCpp:
         return time.perf_counter() - start
 
     def decode(self, prompts: list[list[int]], new_tokens: int) -> float:
-        """Decode tokens/s of greedy generation of new_tokens for all prompts at once (prefill not counted)."""
+        """Decode tokens/s of greedy generation of new_tokens for all prompts at once (prefill not counted);
+        each step's seconds are left in self.step_times."""
         self.clear()
         flat = [(t, p, s) for s, prompt in enumerate(prompts) for p, t in enumerate(prompt[:-1])]
         self._decode([f[0] for f in flat], [f[1] for f in flat], [f[2] for f in flat], [False] * len(flat))
         tokens, pos = [p[-1] for p in prompts], [len(p) - 1 for p in prompts]  # each step: one token per sequence
-        start = time.perf_counter()
+        self.step_times = []
         for _ in range(new_tokens):
+            start = time.perf_counter()
             self._decode(tokens, pos, list(range(len(prompts))), [True] * len(prompts))
             tokens = [self._argmax(i) for i in range(len(prompts))]
             pos = [p + 1 for p in pos]
-        return len(prompts) * new_tokens / (time.perf_counter() - start)
+            self.step_times.append(time.perf_counter() - start)
+        return len(prompts) * new_tokens / sum(self.step_times)
 
     def close(self) -> None:
         self.L.llama_batch_free(self.batch)

@@ -1,4 +1,5 @@
 """Loads one rank engine of an engine dir and runs engine steps against its KV cache pool."""
+import os
 from pathlib import Path
 
 import psutil
@@ -15,14 +16,38 @@ class AOTIModel:
     without importing torch.export's serializer and with it dynamo: 1.4 s of CPU that a process
     loading only an engine need not spend."""
 
-    def __init__(self, loader):
+    def __init__(self, loader, serial_loops: bool = False):
         self.loader = loader
         in_spec, self.out_spec = (pytree.treespec_loads(spec) for spec in loader.get_call_spec())
         self.input_names = in_spec.child(1).context  # the order the package takes its keyword arguments in
+        self.serial_loops = serial_loops
 
     def __call__(self, **inputs):
-        flat = self.loader.boxed_run([inputs[name] for name in self.input_names])
-        return pytree.tree_unflatten(flat, self.out_spec)
+        args = [inputs[name] for name in self.input_names]
+        if not self.serial_loops:
+            return pytree.tree_unflatten(self.loader.boxed_run(args), self.out_spec)
+        # The graph's own loops (norms, rope, activations: OpenMP regions, each ending in a barrier
+        # of all threads) run on this thread; the kiln_cpp kernels run on their pool.
+        previous = torch.ops.kiln_cpp.serial_loops_begin()
+        try:
+            return pytree.tree_unflatten(self.loader.boxed_run(args), self.out_spec)
+        finally:
+            torch.ops.kiln_cpp.serial_loops_end(previous)
+
+
+def serial_graph_loops(engine_dir: Path) -> bool:
+    """Whether an aoti engine's compiled loops run on the calling thread alone: where the GEMMs and
+    attention are kiln_cpp's (they run on the kernels' pool), unless $KILN_GRAPH_LOOPS=parallel."""
+    import json
+
+    mode = os.environ.get("KILN_GRAPH_LOOPS", "serial")
+    if mode not in ("serial", "parallel"):
+        raise ValueError(f"KILN_GRAPH_LOOPS must be 'serial' or 'parallel', got {mode!r}")
+    try:
+        plugins = json.loads((engine_dir / "config.json").read_text())["build_config"]["plugin_config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return mode == "serial" and plugins.get("gemm_plugin") == "cpp" and plugins.get("gpt_attention_plugin") == "cpp"
 
 
 def load(backend: str, path: Path, unpacked: Path | None = None):
@@ -40,7 +65,8 @@ def load(backend: str, path: Path, unpacked: Path | None = None):
     if backend == "aoti":
         # The loader itself: aoti_load_package cannot take a folder, and given a file object (a
         # path would have to end in .pt2) it first copies the whole package to a temporary file.
-        return AOTIModel(torch._C._aoti.AOTIModelPackageLoader(str(unpacked or path), "model", False, 1, -1))
+        serial = serial_graph_loops(Path(path).parent)
+        return AOTIModel(torch._C._aoti.AOTIModelPackageLoader(str(unpacked or path), "model", False, 1, -1), serial)
     if backend == "eager":
         with open(path, "rb") as f:
             return torch.export.load(f).module()

@@ -46,6 +46,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "thread_pool.h"
+
 namespace kiln {
 namespace {
 
@@ -197,7 +199,7 @@ class ShmComm {
     T* out = reinterpret_cast<T*>(out_bytes);
     const int world = world_;
     const int64_t slot = slot_bytes_;
-    at::parallel_for(0, count, 16384, [&](int64_t begin, int64_t end) {
+    kiln::pool::parallel_for(0, count, 16384, [&](int64_t begin, int64_t end) {
       constexpr int64_t kTile = 512;
       float acc[kTile];
       for (int64_t t = begin; t < end; t += kTile) {

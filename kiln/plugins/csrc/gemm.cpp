@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "thread_pool.h"
 #include "paged_attention_x86.h"
 
 namespace kiln {
@@ -213,7 +214,7 @@ const float* float_x(const at::Tensor& xc, int64_t M, int64_t K, int64_t ldx) {
   if (xc.scalar_type() == at::kFloat && ldx == K) return xc.const_data_ptr<float>();
   thread_local std::vector<float> buffer;
   float* out = grown(buffer, M * ldx);
-  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+  kiln::pool::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       float* row = out + m * ldx;
       switch (xc.scalar_type()) {
@@ -257,7 +258,7 @@ at::Tensor dense_weight(const at::Tensor& w, const GemmParams& p, at::ScalarType
       d = at::empty({P * kPanel, R * 2}, w.options());
       const auto* in = reinterpret_cast<const uint32_t*>(w.const_data_ptr<c10::BFloat16>());
       auto* out = reinterpret_cast<uint32_t*>(d.mutable_data_ptr<c10::BFloat16>());
-      at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      kiln::pool::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
         for (int64_t panel = begin; panel < end; ++panel)
           for (int64_t r = 0; r < R; ++r)
             for (int64_t j = 0; j < kPanel; ++j) out[(panel * kPanel + j) * R + r] = in[(panel * R + r) * kPanel + j];
@@ -345,6 +346,7 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
   p.n = n;
   const Kernel kernel = pick(tactics, p.M, format, x.scalar_type());
   if (kernel == Kernel::Aten) {
+    kiln::pool::OmpThreadsScope threads;
     at::Tensor y = at::linear(x, dense_weight(weight, p, x.scalar_type()));  // scales folded into the weight
     if (bias_f.defined()) y = y + bias_f;
     return y.to(out_dtype);
@@ -381,7 +383,7 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
       int8_t* q = grown(xq, p.M * p.ldxq);
       float* s = grown(xs, p.M * blocks);
       int32_t* c = grown(xcomp, p.M * blocks);
-      at::parallel_for(0, p.M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+      kiln::pool::parallel_for(0, p.M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
         auto quantize = avx2 ? &AVX2::quantize_rows : &DEFAULT::quantize_rows;
         quantize(xf + begin * K, end - begin, K, K, offset, q + begin * p.ldxq, p.ldxq, s + begin * blocks,
                  c + begin * blocks);
@@ -401,7 +403,7 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
     }
   }
   const int64_t bytes = scratch_bytes(K);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) { run(p, begin, end, aligned_scratch(bytes)); });
+  kiln::pool::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) { run(p, begin, end, aligned_scratch(bytes)); });
   return out;
 }
 
@@ -441,7 +443,7 @@ void gather_rows(const void* packed, const int64_t* ids, void* rows, int64_t cou
                  int64_t kk) {
   const T* table = static_cast<const T*>(packed);
   T* out = static_cast<T*>(rows);
-  at::parallel_for(0, count, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+  kiln::pool::parallel_for(0, count, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* column = table + (ids[i] / kPanel) * panel_rows * kPanel * kk + (ids[i] % kPanel) * kk;
       for (int64_t k = 0; k < K; ++k) out[i * K + k] = column[k / kk * kPanel * kk + k % kk];

@@ -37,6 +37,7 @@
 
 #include "paged_attention.h"
 #include "paged_attention_x86.h"
+#include "thread_pool.h"
 
 namespace kiln {
 namespace {
@@ -268,7 +269,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   // few long sequences would leave threads idle (a small decode batch at long context), each is
   // split into partitions of whole pages, attended in parallel and combined after (flash-decoding).
   // Partitions stay long enough that the combine pass costs little.
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = kiln::pool::num_threads();
   const int64_t target = std::max(total_cost / (4 * threads), (G + 1) * kMinPartitionKeys);
   std::vector<int64_t> part_len(Sg, 0);
   for (int64_t i = 0; i < Sg; ++i) {
@@ -338,15 +339,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
     scratch = std::max(scratch, k.scratch_size(p, it.n_q, it.kv_head_end - it.kv_head_begin));
   }
   const int64_t n_items = static_cast<int64_t>(items.size());
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(n_items, threads), 1, [&](int64_t, int64_t) {
+  kiln::pool::parallel_chunks(0, n_items, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buffer;  // grows only: no zeroing per call
     if (static_cast<int64_t>(buffer.size()) < scratch) buffer.resize(scratch);
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) k.attend(p, items[i], buffer.data());
+    for (int64_t i = begin; i < end; ++i) k.attend(p, items[i], buffer.data());
   });
   if (!combines.empty()) {
     const int64_t n = static_cast<int64_t>(combines.size());
-    at::parallel_for(0, n, std::max<int64_t>(1, 4096 / (H * D)), [&](int64_t begin, int64_t end) {
+    kiln::pool::parallel_for(0, n, std::max<int64_t>(1, 4096 / (H * D)), [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) combine(p, combines[c]);
     });
   }

@@ -27,6 +27,7 @@
 
 #include "paged_attention_x86.h"
 #include "sampler.h"
+#include "thread_pool.h"
 
 namespace kiln {
 
@@ -148,7 +149,7 @@ void run(const SamplerBatch& b) {
   const SampleRowsFn k = kernel();
   // ATen's grain (32768 elements per task): a few small rows are not worth waking a thread for.
   const int64_t grain = std::max<int64_t>(1, 32768 / b.vocab);
-  at::parallel_for(0, b.num_rows, grain, [&](int64_t begin, int64_t end) {
+  kiln::pool::parallel_for(0, b.num_rows, grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> values, spare;
     thread_local std::vector<int32_t> index, counts;
     thread_local std::vector<SamplerEntry> entries;

@@ -1,0 +1,286 @@
+// kiln::pool (thread_pool.h): the claim protocol, the waits, and the ops that configure the pool.
+//
+// One 64-bit word holds the current loop: [generation 32 | chunks 16 | next 16]. A thread claims
+// chunk `next` by a compare-and-swap of the whole word, so a thread that read the word of a loop
+// that has since finished cannot claim a chunk of the next one, and it reads the loop's function
+// only after a successful claim: the loop cannot finish, nor its caller return, before that chunk
+// is done. The caller counts finished chunks (`done`), not threads.
+#include "thread_pool.h"
+
+#include <ATen/Parallel.h>
+#include <linux/futex.h>
+#include <omp.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <torch/library.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace kiln::pool {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kField = 0xFFFF;
+constexpr int64_t kMaxChunks = kField;
+constexpr int64_t kChunksPerThread = 4;  // enough that a late thread's share spreads over the others
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+
+void futex_wake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Spins until pred() or `us` microseconds have passed; whether pred() came true.
+template <typename Pred>
+bool spin_until(Pred pred, int us) {
+  if (pred()) return true;
+  if (us <= 0) return false;
+  const auto deadline = Clock::now() + std::chrono::microseconds(us);
+  for (int i = 1;; ++i) {
+    if (pred()) return true;
+    cpu_relax();
+    if ((i & 63) == 0 && Clock::now() > deadline) return pred();
+  }
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return (end != v && *end == '\0' && n >= 0) ? static_cast<int>(n) : fallback;
+}
+
+thread_local bool in_loop = false;
+
+struct Pool {
+  std::mutex busy;  // one loop at a time; a second caller runs its loop inline
+  std::atomic<uint64_t> claim{0};
+  std::atomic<uint32_t> generation{0};  // futex the idle threads sleep on: bumped per loop
+  std::atomic<uint32_t> done{0};        // futex the caller sleeps on: chunks finished
+  std::atomic<int> sleepers{0};
+  std::atomic<bool> caller_sleeping{false};
+  std::atomic<bool> stop{false};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  // The loop, written before its word is published.
+  const std::function<void(int64_t, int64_t)>* fn = nullptr;
+  int64_t begin = 0, end = 0, chunk = 1;
+  bool one_each = false;  // the static schedule: each thread takes at most one chunk
+  std::vector<std::thread> threads;
+  std::atomic<int> target{0};  // 0: follow torch's intra-op threads (at::get_num_threads())
+  std::atomic<int> spin{env_int("KILN_SPIN_US", 50)};
+  std::atomic<bool> static_schedule{std::getenv("KILN_PARALLEL_SCHEDULE") != nullptr &&
+                                    std::string(std::getenv("KILN_PARALLEL_SCHEDULE")) == "static"};
+
+  // Claims and runs chunks of the current loop until none is left (or, one_each, after one).
+  void participate(uint32_t& last_gen) {
+    uint64_t w = claim.load(std::memory_order_acquire);
+    for (;;) {
+      const uint32_t gen = static_cast<uint32_t>(w >> 32);
+      const uint64_t chunks = (w >> 16) & kField, next = w & kField;
+      if (next >= chunks || gen == last_gen) return;
+      if (!claim.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      const int64_t b = begin + static_cast<int64_t>(next) * chunk, e = std::min(end, b + chunk);
+      const uint64_t n = chunks;
+      try {
+        (*fn)(b, e);
+      } catch (...) {
+        if (!failed.exchange(true)) error = std::current_exception();
+      }
+      if (one_each) last_gen = gen;
+      if (done.fetch_add(1) + 1 == n && caller_sleeping.load()) futex_wake(&done);
+      w = claim.load(std::memory_order_acquire);
+    }
+  }
+
+  void worker(uint32_t seen) {  // seen: the generation before the thread's first loop
+    in_loop = true;  // a loop inside a chunk runs inline
+    uint32_t last_gen = 0;
+    for (;;) {
+      if (!spin_until([&] { return generation.load(std::memory_order_acquire) != seen; }, spin.load())) {
+        sleepers.fetch_add(1);
+        if (generation.load() == seen) futex_wait(&generation, seen);
+        sleepers.fetch_sub(1);
+        continue;
+      }
+      seen = generation.load(std::memory_order_acquire);
+      if (stop.load()) return;
+      participate(last_gen);
+    }
+  }
+
+  void resize(int n) {  // under `busy`
+    if (static_cast<int>(threads.size()) == n - 1) return;
+    stop.store(true);
+    generation.fetch_add(1);
+    futex_wake(&generation);
+    for (auto& t : threads) t.join();
+    threads.clear();
+    stop.store(false);
+    const uint32_t seen = generation.load();
+    for (int i = 0; i < n - 1; ++i) threads.emplace_back([this, seen] { worker(seen); });
+  }
+
+  void run(int64_t b, int64_t e, int64_t grain, bool exact, int n, const std::function<void(int64_t, int64_t)>& f) {
+    resize(n);
+    const int64_t items = e - b;
+    one_each = static_schedule.load();
+    chunk = one_each ? (items + n - 1) / n
+            : exact  ? grain
+                     : (items + n * kChunksPerThread - 1) / (n * kChunksPerThread);
+    chunk = std::max({chunk, grain, (items + kMaxChunks - 1) / kMaxChunks});
+    const uint64_t chunks = (items + chunk - 1) / chunk;
+    fn = &f;
+    begin = b;
+    end = e;
+    done.store(0);
+    failed.store(false);
+    error = nullptr;
+    const uint32_t gen = generation.load() + 1;
+    claim.store((static_cast<uint64_t>(gen) << 32) | (chunks << 16), std::memory_order_release);
+    generation.store(gen);
+    if (sleepers.load() > 0) futex_wake(&generation);
+    uint32_t last_gen = 0;
+    participate(last_gen);
+    const auto finished = [&] { return done.load(std::memory_order_acquire) == chunks; };
+    if (!spin_until(finished, spin.load())) {
+      caller_sleeping.store(true);
+      for (uint32_t d = done.load(); d != chunks; d = done.load()) futex_wait(&done, d);
+      caller_sleeping.store(false);
+    }
+    if (failed.load()) std::rethrow_exception(error);
+  }
+};
+
+Pool* pool() {
+  static Pool* p = [] {
+    auto* created = new Pool();  // never destroyed: its threads sleep until the process exits
+    // A forked child has none of the parent's threads: it forgets them and starts its own.
+    pthread_atfork(nullptr, nullptr, [] {
+      Pool* q = pool();
+      new (&q->busy) std::mutex();
+      new (new char[sizeof(std::vector<std::thread>)]) std::vector<std::thread>(std::move(q->threads));
+      q->threads = std::vector<std::thread>();
+      q->sleepers.store(0);
+      q->caller_sleeping.store(false);
+    });
+    return created;
+  }();
+  return p;
+}
+
+}  // namespace
+
+namespace {
+thread_local int scoped_threads = 0;  // the OpenMP threads of this thread before a serial-loops scope
+}
+
+int num_threads() {
+  const int n = pool()->target.load();
+  if (n > 0) return n;
+  return scoped_threads > 0 ? scoped_threads : std::max(1, at::get_num_threads());
+}
+
+void set_num_threads(int n) { pool()->target.store(std::max(0, n)); }
+void set_schedule(Schedule s) { pool()->static_schedule.store(s == Schedule::Static); }
+Schedule schedule() { return pool()->static_schedule.load() ? Schedule::Static : Schedule::Dynamic; }
+void set_spin_us(int us) { pool()->spin.store(std::max(0, us)); }
+int spin_us() { return pool()->spin.load(); }
+
+namespace {
+
+void run_loop(int64_t begin, int64_t end, int64_t grain, bool exact, const std::function<void(int64_t, int64_t)>& fn) {
+  if (end <= begin) return;
+  grain = std::max<int64_t>(1, grain);
+  const int n = num_threads();
+  if (n <= 1 || end - begin <= grain || in_loop) return fn(begin, end);
+  Pool* p = pool();
+  std::unique_lock<std::mutex> lock(p->busy, std::try_to_lock);
+  if (!lock.owns_lock()) return fn(begin, end);
+  in_loop = true;
+  try {
+    p->run(begin, end, grain, exact, n, fn);
+  } catch (...) {
+    in_loop = false;
+    throw;
+  }
+  in_loop = false;
+}
+
+}  // namespace
+
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  run_loop(begin, end, grain, false, fn);
+}
+
+void parallel_chunks(int64_t begin, int64_t end, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
+  run_loop(begin, end, chunk, true, fn);
+}
+
+OmpThreadsScope::OmpThreadsScope() : previous_(omp_get_max_threads()) { omp_set_num_threads(num_threads()); }
+OmpThreadsScope::~OmpThreadsScope() { omp_set_num_threads(previous_); }
+
+namespace {
+
+void set_threads_op(int64_t n) { set_num_threads(static_cast<int>(n)); }
+
+int64_t num_threads_op() { return num_threads(); }
+
+void set_parallel_options_op(std::string schedule_name, int64_t spin) {
+  TORCH_CHECK(schedule_name == "dynamic" || schedule_name == "static",
+              "kiln_cpp::set_parallel_options: schedule must be 'dynamic' or 'static', got '", schedule_name, "'");
+  set_schedule(schedule_name == "static" ? Schedule::Static : Schedule::Dynamic);
+  if (spin >= 0) set_spin_us(static_cast<int>(spin));
+}
+
+std::string parallel_options_op() {
+  return std::string(schedule() == Schedule::Static ? "static" : "dynamic") + " spin_us=" + std::to_string(spin_us());
+}
+
+// An engine step's scope (kiln/engine/loader.py): the compiled graph's OpenMP loops run on the
+// calling thread alone, the pool keeps the thread count the caller had. Returns that count.
+int64_t serial_loops_begin_op() {
+  const int previous = omp_get_max_threads();
+  scoped_threads = previous;
+  omp_set_num_threads(1);
+  return previous;
+}
+
+void serial_loops_end_op(int64_t previous) {
+  scoped_threads = 0;
+  omp_set_num_threads(static_cast<int>(std::max<int64_t>(1, previous)));
+}
+
+}  // namespace
+}  // namespace kiln::pool
+
+TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
+  m.def("set_num_threads(int n) -> ()", &kiln::pool::set_threads_op);
+  m.def("num_threads() -> int", &kiln::pool::num_threads_op);
+  m.def("set_parallel_options(str schedule, int spin_us=-1) -> ()", &kiln::pool::set_parallel_options_op);
+  m.def("parallel_options() -> str", &kiln::pool::parallel_options_op);
+  m.def("serial_loops_begin() -> int", &kiln::pool::serial_loops_begin_op);
+  m.def("serial_loops_end(int previous) -> ()", &kiln::pool::serial_loops_end_op);
+}

@@ -237,6 +237,8 @@ class BuildConfig:
     gemm_tactics: dict | None = None
     cpu_features: list | None = None
     build_cpu: str | None = None
+    # How busy the machine was while the tactics were timed (kiln.plugins.tactics.MachineLoad).
+    tactic_timing_load: dict | None = None
     kiln_version: str = __version__
     target_device: str = "cpu"
 

@@ -1,7 +1,8 @@
 """How many intra-op threads an engine runs with, so that they never outnumber the cores it may use.
 
-A compiled step is a sequence of OpenMP parallel regions, each as slow as its slowest thread: one
-thread more than there are cores, or a core taken by another busy thread, stalls every region.
+A step's kernels share out their loops among the threads that run (kiln/plugins/csrc/thread_pool.h),
+but a thread more than there are cores still only adds switching: the count follows what the
+process may use.
 """
 import math
 import os

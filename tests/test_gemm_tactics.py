@@ -59,11 +59,22 @@ def test_build_records_prints_and_caches_tactics(checkpoint, tmp_path):
     assert set(config["cpu_features"]) <= set(tactics.cpu_features())
     printed = "\n".join(lines)
     assert "GEMM tactics" in printed and "M <=   256:" in printed and "the engine's kernels need" in printed
+    load = config["tactic_timing_load"]  # how busy the machine was, and the buckets timed again for noise
+    assert load["buckets"] == len(table) * len(buckets) and 0 <= load["retimed"] <= load["buckets"]
+    assert "machine load while timing: other processes took" in printed
     assert cache.is_file()
     lines.clear()
     again = _build(ckpt, tmp_path / "b", log=lines.append, timing_cache=str(cache))
     assert "(0 measured," in "\n".join(lines)
     assert again["gemm_tactics"] == table
+
+
+def test_machine_load_sees_another_busy_process():
+    """Tactic timing's load figure counts the CPU that other processes take (here a busy loop)."""
+    load = tactics.MachineLoad()
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"])
+    busy.wait()
+    assert load.other_cpus() > tactics.LOADED_CPUS
 
 
 def test_bad_timing_cache_and_lm_head_without_plugin(checkpoint, tmp_path):

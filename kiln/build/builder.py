@@ -52,6 +52,21 @@ def _record_tactics(build: BuildConfig, ranks: list, log) -> None:
     log(f"timed GEMM tactics in {sum(r.tactic_seconds for r in ranks):.1f}s ({sum(r.tactics_measured for r in ranks)} "
         f"measured, {sum(r.tactics_cached for r in ranks)} from the timing cache); the engine's kernels need: "
         f"{', '.join(build.cpu_features) or 'nothing beyond x86-64'}")
+    loads = [r.timing_load for r in ranks if r.timing_load]
+    if loads:
+        known = [x["other_cpus"] for x in loads if x["other_cpus"] is not None]
+        other = max(known) if known else None
+        build.tactic_timing_load = {"other_cpus": other, "load_average": max(x["load_average"] for x in loads),
+                                    "buckets": sum(x["buckets"] for x in loads),
+                                    "retimed": sum(x["retimed"] for x in loads)}
+        t = build.tactic_timing_load
+        summary = (f"machine load while timing: other processes took "
+                   f"{'?' if other is None else f'{other:.2f}'} CPUs on average (load average {t['load_average']:.1f}); "
+                   f"{t['retimed']} of {t['buckets']} buckets timed again for noise")
+        if (other or 0) > tactics.LOADED_CPUS or t["retimed"] > 0.1 * max(t["buckets"], 1):
+            summary += ("\nwarning: the GEMM tactics were timed on a busy machine and may be noise; rebuild on a "
+                        "quiet one, or pass --timing_cache with a cache timed on one")
+        log(summary)
 
 
 def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, tokenizer_dir=None,

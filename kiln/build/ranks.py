@@ -36,6 +36,7 @@ class RankBuild:
     tactic_seconds: float = 0.0
     tactics_measured: int = 0  # GEMM timings run, and those the timing cache had
     tactics_cached: int = 0
+    timing_load: dict | None = None  # tactics.MachineLoad's figures while they were timed
 
 
 def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildConfig, rank: int,
@@ -58,7 +59,7 @@ def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildC
         backends.COMPILERS[build.backend](program, path, build.max_autotune)
         bar.update(1)
     return RankBuild(rank, time.time() - start, own_peak_rss_mb(), table, tactic_seconds,
-                     cache.misses if cache else 0, cache.hits if cache else 0)
+                     cache.misses if cache else 0, cache.hits if cache else 0, cache.load if cache else None)
 
 
 def time_tactics(model, pretrained: PretrainedConfig, build: BuildConfig):

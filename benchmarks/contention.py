@@ -148,12 +148,12 @@ def run_competitor(args) -> None:
     from kiln.runtime.frontend.llm_engine import LLMEngine
 
     engine = LLMEngine(args.engine_dir)
-    params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
-    for p in prompts(16, 64, engine.model_config.vocab_size, 7):
-        engine.add_request({"prompt_token_ids": p}, params)
-    engine.step()
+    params = SamplingParams(temperature=0, max_tokens=engine.build_config.max_seq_len - 64, ignore_eos=True)
     print("ready", flush=True)
     while True:
+        if not engine.has_unfinished_requests():
+            for p in prompts(16, 64, engine.model_config.vocab_size, 7):
+                engine.add_request({"prompt_token_ids": p}, params)
         engine.step()
 
 
@@ -321,10 +321,10 @@ def main():
                 results[(condition, rt)] = r
                 print(f"{condition} {rt}: " + ", ".join(f"{w} {r[w]['tok_s']:.0f} tok/s" for w in WORKLOADS),
                       file=sys.stderr, flush=True)
+                if args.json:  # as it goes: a failure later keeps what was measured
+                    args.json.write_text(json.dumps({f"{c}|{rt}": r for (c, rt), r in results.items()}, indent=1))
     print(f"uptime at the end: {os.getloadavg()}")
     report(results, args.runtimes, [c for c in args.conditions if any((c, rt) in results for rt in args.runtimes)])
-    if args.json:
-        args.json.write_text(json.dumps({f"{c}|{rt}": r for (c, rt), r in results.items()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/pr
 
 def available_cpus() -> int:
     """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota rounded up (a
-    1.5-CPU limit runs 2 threads: benchmarks/contention.py measures 2 threads at 0.8x of quiet
+    1.5-CPU limit runs 2 threads: benchmarks/contention.py measures them at 0.65-0.84x of quiet
     speed under it, where 1 thread is bounded by 0.5x)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     quota = cpu_quota()

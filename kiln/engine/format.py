@@ -34,13 +34,18 @@ def kv_cache_dtype(pretrained: PretrainedConfig, build: BuildConfig) -> torch.dt
     return torch_dtype(build.kv_cache_dtype or pretrained.dtype)
 
 
-def uses_cpp_plugins(engine_dir) -> bool:
-    """Whether the engine in engine_dir was built with a C++ plugin (kiln_cpp:: ops in its graph)."""
+def plugin_config(engine_dir) -> dict:
+    """The plugin_config the engine in engine_dir was built with ({} where it cannot be read)."""
     try:
         plugins = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]["plugin_config"]
-        return "cpp" in plugins.values()
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+        return plugins if isinstance(plugins, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def uses_cpp_plugins(engine_dir) -> bool:
+    """Whether the engine in engine_dir was built with a C++ plugin (kiln_cpp:: ops in its graph)."""
+    return "cpp" in plugin_config(engine_dir).values()
 
 
 def warmup_inputs() -> dict:

@@ -8,7 +8,8 @@ import torch.utils._pytree as pytree
 
 from kiln.config import ConfigError, EngineConfig
 from kiln.engine import extraction
-from kiln.engine.format import HIDDEN_STATES, STEP_INPUTS, engine_file, kv_cache_dtype, uses_cpp_plugins
+from kiln.engine.format import (HIDDEN_STATES, STEP_INPUTS, engine_file, kv_cache_dtype, plugin_config,
+                               uses_cpp_plugins)
 
 
 class AOTIModel:
@@ -38,15 +39,10 @@ class AOTIModel:
 def serial_graph_loops(engine_dir: Path) -> bool:
     """Whether an aoti engine's compiled loops run on the calling thread alone: where the GEMMs and
     attention are kiln_cpp's (they run on the kernels' pool), unless $KILN_GRAPH_LOOPS=parallel."""
-    import json
-
     mode = os.environ.get("KILN_GRAPH_LOOPS", "serial")
     if mode not in ("serial", "parallel"):
         raise ValueError(f"KILN_GRAPH_LOOPS must be 'serial' or 'parallel', got {mode!r}")
-    try:
-        plugins = json.loads((engine_dir / "config.json").read_text())["build_config"]["plugin_config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    plugins = plugin_config(engine_dir)
     return mode == "serial" and plugins.get("gemm_plugin") == "cpp" and plugins.get("gpt_attention_plugin") == "cpp"
 
 

@@ -121,9 +121,15 @@ class TimingCache:
                                   f"delete it or pass another file") from None
         self.prefix = f"{cpu_model()}|{','.join(cpu_features())}|{cpp._key()}|{torch.get_num_threads()}t"
 
+    def _full(self, key: str, kernel: int) -> str:
+        return f"{self.prefix}|{key}|{kernel_name(kernel)}"
+
+    def put(self, key: str, times: dict[int, float]) -> None:
+        self.entries.update({self._full(key, k): us for k, us in times.items()})
+
     def get(self, key: str, kernels: list[int], measure) -> dict[int, float]:
         """Microseconds per kernel at `key`: from the cache, measure(missing kernels) for the rest."""
-        full = {k: f"{self.prefix}|{key}|{kernel_name(k)}" for k in kernels}
+        full = {k: self._full(key, k) for k in kernels}
         missing = [k for k in kernels if full[k] not in self.entries]
         self.hits += len(kernels) - len(missing)
         self.misses += len(missing)
@@ -218,7 +224,7 @@ def select(layers: dict[str, object], x_dtype: torch.dtype, max_num_tokens: int,
         by_key.setdefault(gemm_key(layer, x_dtype), []).append((name, layer))
     table = {}
     bounds = buckets(max_num_tokens)
-    load, timed, retimed = MachineLoad(), 0, 0
+    load, retimed = MachineLoad(), 0
     for key, members in by_key.items():
         layer = members[0][1]
         alive = candidates(layer.weight, x_dtype, int8_activations)
@@ -232,9 +238,8 @@ def select(layers: dict[str, object], x_dtype: torch.dtype, max_num_tokens: int,
                 retimed += 1
                 again = _time_us(layer, m, alive, x_dtype, budget_s=0.15)
                 times = {k: min(times[k], again[k]) for k in alive}
-                cache.entries.update({f"{cache.prefix}|{key}|m{m}|{kernel_name(k)}": t for k, t in times.items()})
+                cache.put(f"{key}|m{m}", times)
                 best = min(times, key=times.get)
-            timed += 1
             slow = {kern for kern in alive if times[kern] > PRUNE_RATIO * times[best]}
             alive, behind = [kern for kern in alive if kern not in slow & behind], slow
             rows.append({"m_max": bound, "timed_at": m, "kernel": kernel_name(best),
@@ -252,7 +257,8 @@ def select(layers: dict[str, object], x_dtype: torch.dtype, max_num_tokens: int,
         table[key] = {"layers": len(members), "buckets": rows}
     other = load.other_cpus()
     cache.load = {"other_cpus": None if other is None else round(other, 2),
-                   "load_average": round(os.getloadavg()[0], 2), "buckets": timed, "retimed": retimed}
+                   "load_average": round(os.getloadavg()[0], 2), "buckets": len(table) * len(bounds),
+                  "retimed": retimed}
     return table
 
 

@@ -124,8 +124,8 @@ def run_llama_cpp(args) -> dict:
     import llama_cpp_bench as lcb
 
     threads = args.threads or len(os.sched_getaffinity(0))
-    model = lcb.LlamaCpp(lcb.gguf_files(Path(args.hf_dir), args.work / "llama_cpp", ("bf16",))["bf16"],
-                         threads, 16, 64 + args.new_tokens + 8)
+    gguf = lcb.gguf_files(Path(args.hf_dir), args.work / "llama_cpp", ("bf16",))["bf16"]
+    model = lcb.LlamaCpp(gguf, threads, 16, 64 + args.new_tokens + 8)
     vocab = model.vocab
     model.decode(prompts(2, 16, vocab, 99), 4)
     out = {}
@@ -133,8 +133,7 @@ def run_llama_cpp(args) -> dict:
         model.decode(prompts(batch, 64, vocab, batch), args.new_tokens - 1)
         out[f"decode_b{batch}"] = summary(batch * len(model.step_times), model.step_times)
     model.close()
-    model = lcb.LlamaCpp(lcb.gguf_files(Path(args.hf_dir), args.work / "llama_cpp", ("bf16",))["bf16"],
-                         threads, 1, 520)
+    model = lcb.LlamaCpp(gguf, threads, 1, 520)
     pre = [model.prefill(p) for p in prompts(args.prefills, 512, vocab, 1000)]
     out["prefill_512"] = summary(512 * len(pre), pre)
     out["threads"] = threads

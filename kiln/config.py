@@ -199,6 +199,8 @@ class PretrainedConfig:
 
 
 BACKENDS = ("aoti", "eager")
+# The elementwise plugins of the step, in TensorRT-LLM's plugin_config names.
+ELEMENTWISE_PLUGINS = ("rmsnorm_plugin", "rope_plugin", "swiglu_plugin")
 
 
 @dataclass
@@ -218,6 +220,8 @@ class BuildConfig:
     # lets the builder choose (cpp for aoti, else inline). gemm_plugin
     # "cpp": every linear on the C++ GEMM op (kiln/plugins/gemm.py: packed, possibly quantized weights);
     # None lets the builder choose (cpp for aoti with bf16/fp16 or quantized weights, else inline).
+    # rmsnorm/rope/swiglu_plugin "cpp": kiln_cpp's elementwise ops on the kernels' thread pool; None
+    # lets the builder choose (cpp where both plugins above are cpp, else inline).
     plugin_config: dict = field(default_factory=lambda: {
         "gpt_attention_plugin": None, "gemm_plugin": None, "rmsnorm_plugin": None, "rope_plugin": None,
         "swiglu_plugin": None,

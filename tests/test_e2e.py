@@ -17,13 +17,19 @@ NEW_TOKENS = 24
 # Every op a kiln:: custom-op node (the plugin path TensorRT-LLM's flags name) instead of inline code.
 KILN_PLUGINS = {"plugin_config": {"rmsnorm_plugin": "auto", "rope_plugin": "auto", "swiglu_plugin": "auto",
                                   "gpt_attention_plugin": "auto", "gemm_plugin": None}}
+# The norms, rope and SwiGLU on kiln_cpp's C++ ops (tests/test_cpp_elementwise.py): q/k norm on strided
+# views, rope scaling.
+CPP_ELEMENTWISE = {"plugin_config": {"rmsnorm_plugin": "cpp", "rope_plugin": "cpp", "swiglu_plugin": "cpp"}}
 # Every family on eager, llama (whose aoti engine other tests share) on aoti too; the other
 # rope-scaling variants on eager. test_hf_parity runs every family on aoti, from published configs.
 # The plugin path compiled once and run eager once (q/k norm, head_dim != hidden / heads).
 CASES = [("llama", "aoti", {}),
          ("llama", "eager", {}), ("mistral", "eager", {}), ("qwen2", "eager", {}), ("qwen3", "eager", {}),
          ("llama_linear", "eager", {}), ("llama_dynamic", "eager", {}),
-         ("llama", "aoti", KILN_PLUGINS), ("qwen3", "eager", KILN_PLUGINS)]
+         ("llama", "aoti", KILN_PLUGINS), ("qwen3", "eager", KILN_PLUGINS),
+         ("qwen3", "eager", CPP_ELEMENTWISE), ("llama_dynamic", "eager", CPP_ELEMENTWISE)]
+LABELS = {id(KILN_PLUGINS): "-kiln_plugins", id(CPP_ELEMENTWISE): "-cpp_elementwise"}
+ELEMENTWISE = {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"}
 
 
 def hf_greedy(model, prompt_ids: list[int]) -> list[int]:
@@ -56,14 +62,14 @@ def engine_logits(engine: RankEngine, token_lists: list[list[int]]) -> list[torc
     return result
 
 
-def kiln_ops(engine_dir) -> set[str]:
-    """The torch.ops.kiln ops an engine's graph calls (from the serialized graph of an eager engine,
-    the proxy-executor nodes of an AOTInductor package)."""
+def kiln_ops(engine_dir, namespace="kiln") -> set[str]:
+    """The torch.ops.<namespace> ops an engine's graph calls (from the serialized graph of an eager
+    engine, the proxy-executor nodes or generated C++ of an AOTInductor package)."""
     found = set()
     with zipfile.ZipFile(engine_dir / "rank0.engine") as z:
         for name in z.namelist():
-            if name.endswith(".json"):
-                found |= set(re.findall(r"\bkiln(?:\.|::)(\w+)", z.read(name).decode(errors="replace")))
+            if name.endswith((".json", ".cpp")):
+                found |= set(re.findall(rf"\b{namespace}(?:\.|::)(\w+)", z.read(name).decode(errors="replace")))
     return found
 
 
@@ -81,12 +87,13 @@ def hf_models(hf_model):
 
 
 @pytest.mark.parametrize("name,backend,overrides", CASES,
-                         ids=[f"{n}-{b}" + ("-kiln_plugins" if o else "") for n, b, o in CASES])
+                         ids=[f"{n}-{b}" + LABELS.get(id(o), "") for n, b, o in CASES])
 def test_greedy_matches_hf(name, backend, overrides, engine, hf_models, capsys):
     engine_dir = engine(name, backend, **overrides)
-    if overrides:  # the engine really calls the kiln:: ops, not inline code
-        assert {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "kv_cache_write",
-                "paged_attention"} <= kiln_ops(engine_dir)
+    if overrides is KILN_PLUGINS:  # the engine really calls the kiln:: ops, not inline code
+        assert ELEMENTWISE | {"kv_cache_write", "paged_attention"} <= kiln_ops(engine_dir)
+    if overrides is CPP_ELEMENTWISE:
+        assert ELEMENTWISE <= kiln_ops(engine_dir, "kiln_cpp") and not ELEMENTWISE & kiln_ops(engine_dir)
     llm = LLM(engine_dir)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     lengths = sorted({len(o.prompt_token_ids) for o in outs})
@@ -107,7 +114,7 @@ def test_greedy_matches_hf(name, backend, overrides, engine, hf_models, capsys):
             ref = model(torch.tensor([seq])).logits[0]
         worst = max(worst, (got - ref).abs().max().item())
     with capsys.disabled():
-        print(f"\n[{name}/{backend}{'/kiln plugins' if overrides else ''}] max |logit - HF logit| = {worst:.2e}")
+        print(f"\n[{name}/{backend}{LABELS.get(id(overrides), '')}] max |logit - HF logit| = {worst:.2e}")
     assert worst < 1e-3
 
 

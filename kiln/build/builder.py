@@ -9,7 +9,7 @@ import torch
 from kiln.build.ranks import build_ranks
 from kiln.engine.format import kv_cache_dtype
 from kiln.convert.writer import copy_tokenizer_files, has_tokenizer
-from kiln.config import BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json, write_json
+from kiln.config import ELEMENTWISE_PLUGINS, BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json, write_json
 from kiln.models.linear import check_quantization
 from kiln.utils import peak_rss_mb, replace_dir, progress
 
@@ -102,6 +102,13 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
         # engines are the HF-parity reference.
         use_cpp = build.backend == "aoti" and (pretrained.dtype != "float32" or bool(pretrained.quantization.quant_algo))
         build.plugin_config["gemm_plugin"] = "cpp" if use_cpp else "inline"
+    serial = build.plugin_config["gemm_plugin"] == "cpp" and build.plugin_config["gpt_attention_plugin"] == "cpp"
+    for key in ELEMENTWISE_PLUGINS:
+        if build.plugin_config.get(key) is None:
+            # Where the step's compiled loops run on one thread (kiln/engine/loader.py), the norms,
+            # rope and SwiGLU run on the kernels' pool instead: a 512-token prefill otherwise spends
+            # its elementwise work on one core.
+            build.plugin_config[key] = "cpp" if serial else "inline"
     if build.max_autotune is None:
         # Measured on CPU: autotuned micro-GEMMs run bf16 2-3x faster than ATen's; fp32 gains little
         # for a much longer build. With the GEMM plugin no GEMM is left for Inductor to tune.

@@ -1,7 +1,7 @@
 """`engine-build`: compile a checkpoint dir into an engine dir."""
 import click
 
-from kiln.config import BACKENDS, BuildConfig, ConfigError
+from kiln.config import BACKENDS, ELEMENTWISE_PLUGINS, BuildConfig, ConfigError
 
 BUILD_OPTIONS = [
     click.option("--max_batch_size", type=int, default=8, show_default=True,
@@ -28,6 +28,10 @@ BUILD_OPTIONS = [
                  help="Linear layers on the C++ GEMM plugin (weights packed, kept int8/int4/fp8 when "
                       "quantized, decoded in the kernel) or traced inline onto ATen / Inductor GEMMs. "
                       "Default: cpp for aoti with bf16/fp16 or quantized weights, else inline."),
+    click.option("--elementwise_plugins", type=click.Choice(["cpp", "inline", "auto"]), default=None,
+                 help="RMSNorm, rotary embedding and SwiGLU as kiln_cpp's C++ ops (on the kernels' thread pool), "
+                      "traced inline for the compiler, or the kiln:: Python ops (debugging). Default: cpp where "
+                      "the attention and GEMM plugins are cpp, else inline."),
     click.option("--tactic_timing/--no_tactic_timing", default=True, show_default=True,
                  help="With --gemm_plugin cpp: time every GEMM kernel that runs on this machine (the plugin's "
                       "AVX2/AVX-512-BF16/AMX/int8 kernels, ATen's) per GEMM and token-count bucket, keep the "
@@ -64,7 +68,8 @@ def build_options(f):
               help="Dir to copy the tokenizer files from. Default: the checkpoint dir (ModelOpt exports have "
                    "none: pass the HF model dir).")
 @build_options
-def main(checkpoint_dir, output_dir, workers, tokenizer_dir, gpt_attention_plugin, gemm_plugin, **options):
+def main(checkpoint_dir, output_dir, workers, tokenizer_dir, gpt_attention_plugin, gemm_plugin, elementwise_plugins,
+         **options):
     """Compile a Kiln/TensorRT-LLM checkpoint into a serialized engine dir.
 
     The output is written to a temporary dir beside OUTPUT_DIR and renamed into place when
@@ -76,6 +81,7 @@ def main(checkpoint_dir, output_dir, workers, tokenizer_dir, gpt_attention_plugi
         build = BuildConfig(**options)
         build.plugin_config["gpt_attention_plugin"] = gpt_attention_plugin
         build.plugin_config["gemm_plugin"] = gemm_plugin
+        build.plugin_config.update(dict.fromkeys(ELEMENTWISE_PLUGINS, elementwise_plugins))
         build_engine(checkpoint_dir, output_dir, build, log=click.echo, tokenizer_dir=tokenizer_dir, workers=workers)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None

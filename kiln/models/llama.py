@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.config import PretrainedConfig
+from kiln.config import ELEMENTWISE_PLUGINS, PretrainedConfig
 from kiln.models import rope
 from kiln.models.linear import make_linear, packed_lm_head, tensor_specs
 from kiln.models.parallel import TensorParallel
@@ -19,7 +19,12 @@ class _Ops:
 
     def __init__(self, plugin_config: dict):
         def pick(key, name):
-            return getattr(ops if plugin_config.get(key) not in (None, "inline") else cpu, name)
+            choice = plugin_config.get(key)
+            if choice == "cpp" and key in ELEMENTWISE_PLUGINS:  # kiln/plugins/csrc/elementwise.cpp
+                from kiln.plugins import cpp
+
+                return cpp.op(name)
+            return getattr(ops if choice not in (None, "inline") else cpu, name)
 
         self.rms_norm = pick("rmsnorm_plugin", "rms_norm")
         self.fused_add_rms_norm = pick("rmsnorm_plugin", "fused_add_rms_norm")

@@ -35,9 +35,11 @@ CSRC = Path(__file__).parent / "csrc"
 # Registration first: on ELF the linker keeps the first copy of an inline function it meets, so
 # code shared with the AVX2/AVX-512 files comes from a file built without those target options.
 SOURCES = ("paged_attention.cpp", "gemm.cpp", "thread_pool.cpp", "cpu_features.cpp", "kernels_default.cpp",
-           "kernels_avx2.cpp", "paged_attention_avx512.cpp", "gemm_avx512.cpp", "gemm_amx.cpp", "sampler.cpp", "all_reduce.cpp")
+           "kernels_avx2.cpp", "paged_attention_avx512.cpp", "gemm_avx512.cpp", "gemm_amx.cpp", "sampler.cpp", "all_reduce.cpp",
+           "elementwise.cpp")
 HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_x86.h", "gemm.h", "gemm_kernel.h",
-           "gemm_avx512.h", "sampler.h", "sampler_kernel.h", "vec_common.h", "thread_pool.h")
+           "gemm_avx512.h", "sampler.h", "sampler_kernel.h", "vec_common.h", "thread_pool.h",
+           "elementwise.h", "elementwise_kernel.h")
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with
 # OpenMP; libgomp resolves to the copy libtorch already loaded (same soname), so one thread pool.
 CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-Wall", "-Wno-unused-parameter"]
@@ -153,6 +155,12 @@ def paged_attention_op():
     """`torch.ops.kiln_cpp.paged_attention`, loading the library first."""
     load()
     return torch.ops.kiln_cpp.paged_attention
+
+
+def op(name: str):
+    """`torch.ops.kiln_cpp.<name>`, loading the library first."""
+    load()
+    return getattr(torch.ops.kiln_cpp, name)
 
 
 def gemm_op():

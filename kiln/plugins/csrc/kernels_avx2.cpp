@@ -1,10 +1,10 @@
-// The kernels for ATen's AVX2 capability (AVX2 + FMA + F16C): paged attention and the sampler,
-// selected at run time by paged_attention.cpp and sampler.cpp, and the GEMM's float and
-// int8-activation kernels, which gemm.cpp also
-// runs on AVX-512 CPUs. Built into the same library as the rest, so the target options are set
-// for this file only, here: cpp_extension has one set of flags for all sources. On other
-// architectures and compilers the GEMM's AVX2 entry points forward to the DEFAULT ones (never
-// selected: cpu_features() reports no AVX2 there).
+// The kernels for ATen's AVX2 capability (AVX2 + FMA + F16C): paged attention, the sampler and the
+// elementwise ops, selected at run time by paged_attention.cpp, sampler.cpp and elementwise.cpp,
+// and the GEMM's float and int8-activation kernels, which gemm.cpp also runs on AVX-512 CPUs.
+// Built into the same library as the rest, so the target options are set for this file only,
+// here: cpp_extension has one set of flags for all sources. On other architectures and compilers
+// the GEMM's AVX2 entry points forward to the DEFAULT ones (never selected: cpu_features() reports
+// no AVX2 there).
 #include "paged_attention_x86.h"
 
 #if KILN_X86_KERNELS
@@ -28,6 +28,7 @@
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include "gemm_kernel.h"
+#include "elementwise_kernel.h"
 #include "paged_attention_kernel.h"
 #include "sampler_kernel.h"
 #if defined(__clang__)

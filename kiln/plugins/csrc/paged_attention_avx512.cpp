@@ -1,6 +1,6 @@
-// The kernels (paged attention, sampler) for ATen's AVX512 capability (AVX-512 F/BW/VL/DQ + AVX2
-// + FMA + F16C), selected at run time by paged_attention.cpp and sampler.cpp; built as
-// kernels_avx2.cpp is.
+// The kernels (paged attention, sampler, elementwise) for ATen's AVX512 capability (AVX-512
+// F/BW/VL/DQ + AVX2 + FMA + F16C), selected at run time by paged_attention.cpp, sampler.cpp and
+// elementwise.cpp; built as kernels_avx2.cpp is.
 #include "paged_attention_x86.h"
 
 #if KILN_X86_KERNELS
@@ -25,6 +25,7 @@
 #define __AVX512DQ__ 1
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
+#include "elementwise_kernel.h"
 #include "paged_attention_kernel.h"
 #include "sampler_kernel.h"
 #if defined(__clang__)

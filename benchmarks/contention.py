@@ -16,11 +16,14 @@ sequence; a prefill step: the whole prompt). Prompts are random token ids, new p
 prefix cache serves none of them.
 
 --baseline DIR adds a second Kiln ("kiln@base"): the kiln package of another checkout (a git worktree
-of an older commit) on the same engine, measured alternately with this one in every condition.
+of an older commit) on the same engine, measured alternately with this one in every condition;
+--baseline_engine_dir runs kiln@base on another engine (built by that checkout, or with other
+options), with this checkout's package unless --baseline is given too.
 
   python benchmarks/contention.py
   python benchmarks/contention.py --runtimes kiln hf llama_cpp --conditions quiet busy1 quota1.5 --json out.json
   git worktree add /tmp/base HEAD~3 && python benchmarks/contention.py --baseline /tmp/base --runtimes kiln
+  python benchmarks/contention.py --baseline_engine_dir ENGINE_BUILT_OTHERWISE --runtimes kiln
 """
 import argparse
 import json
@@ -200,19 +203,20 @@ def worker_env(runtime: str, args) -> dict:
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
     if runtime == "kiln@base":
-        env["PYTHONPATH"] = str(args.baseline)
+        env["PYTHONPATH"] = str(args.baseline or HERE.parent)
     else:
         env["PYTHONPATH"] = str(HERE.parent)
     return env
 
 
 def measure(runtime: str, condition: str, args, procs: Path | None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", runtime, "--engine_dir", str(args.engine_dir), "--hf_dir",
+    engine_dir = args.baseline_engine_dir if runtime == "kiln@base" and args.baseline_engine_dir else args.engine_dir
+    cmd = [sys.executable, __file__, "--worker", runtime, "--engine_dir", str(engine_dir), "--hf_dir",
            str(args.hf_dir), "--work", str(args.work), "--new_tokens", str(args.new_tokens),
            "--prefills", str(args.prefills)] + (["--threads", str(args.threads)] if args.threads else [])
     join = (lambda: procs.write_text(str(os.getpid()))) if procs else None
     r = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(runtime, args), preexec_fn=join,
-                       cwd=args.baseline if runtime == "kiln@base" else HERE.parent)
+                       cwd=args.baseline if runtime == "kiln@base" and args.baseline else HERE.parent)
     if r.returncode != 0:
         raise RuntimeError(f"{runtime} under {condition} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -269,6 +273,7 @@ def main():
     ap.add_argument("--runtimes", nargs="+", default=["kiln", "hf", "llama_cpp"], choices=list(WORKERS))
     ap.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=CONDITIONS)
     ap.add_argument("--baseline", type=Path, help="a checkout whose kiln package is measured as kiln@base")
+    ap.add_argument("--baseline_engine_dir", type=Path, help="the engine kiln@base runs (default: --engine_dir)")
     ap.add_argument("--work", type=Path, default=HERE.parent / "bench_out" / "contention")
     ap.add_argument("--engine_dir", type=Path, default=None)
     ap.add_argument("--hf_dir", type=Path, default=None)
@@ -288,8 +293,8 @@ def main():
 
     from kiln.utils import cpu_summary
 
-    if args.baseline:
-        args.baseline = args.baseline.resolve()
+    if args.baseline or args.baseline_engine_dir:
+        args.baseline = args.baseline and args.baseline.resolve()
         if "kiln" in args.runtimes and "kiln@base" not in args.runtimes:
             args.runtimes.insert(args.runtimes.index("kiln") + 1, "kiln@base")
     print(cpu_summary())

@@ -293,6 +293,8 @@ def main():
 
     from kiln.utils import cpu_summary
 
+    args.engine_dir = args.engine_dir.resolve()  # the baseline's workers run in its checkout
+    args.baseline_engine_dir = args.baseline_engine_dir and args.baseline_engine_dir.resolve()
     if args.baseline or args.baseline_engine_dir:
         args.baseline = args.baseline and args.baseline.resolve()
         if "kiln" in args.runtimes and "kiln@base" not in args.runtimes:

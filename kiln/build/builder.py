@@ -9,7 +9,8 @@ import torch
 from kiln.build.ranks import build_ranks
 from kiln.engine.format import kv_cache_dtype
 from kiln.convert.writer import copy_tokenizer_files, has_tokenizer
-from kiln.config import ELEMENTWISE_PLUGINS, BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json, write_json
+from kiln.config import (ELEMENTWISE_PLUGINS, BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json,
+                         write_json)
 from kiln.models.linear import check_quantization
 from kiln.utils import peak_rss_mb, replace_dir, progress
 

@@ -68,17 +68,17 @@ void check_cpu(const at::Tensor& t, const char* op, const char* name) {
               " must have a contiguous last dim, got shape ", t.sizes(), " strides ", t.strides());
 }
 
-// The layout NormParams reads: [rows, D], [T, H, D] or anything else after a copy.
+// The layout NormParams reads: [rows, D], [T, H, D] or anything else after a copy (check_cpu has
+// seen a contiguous last dim).
 at::Tensor rows_view(const at::Tensor& x, NormParams& p) {
-  const int64_t D = x.size(-1);
-  if (x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1)) {
+  if (x.dim() == 3) {
     p.rows = x.size(0) * x.size(1);
     p.inner = std::max<int64_t>(1, x.size(1));
     p.outer_stride = x.stride(0);
     p.inner_stride = x.stride(1);
     return x;
   }
-  const at::Tensor flat = x.dim() == 2 && (D <= 1 || x.stride(1) == 1) ? x : x.contiguous().view({-1, D});
+  const at::Tensor flat = x.dim() == 2 ? x : x.contiguous().view({-1, x.size(-1)});
   p.rows = flat.size(0);
   p.inner = 1;
   p.outer_stride = flat.stride(0);

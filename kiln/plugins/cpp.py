@@ -152,9 +152,7 @@ def ensure_built() -> str:
 
 
 def paged_attention_op():
-    """`torch.ops.kiln_cpp.paged_attention`, loading the library first."""
-    load()
-    return torch.ops.kiln_cpp.paged_attention
+    return op("paged_attention")
 
 
 def op(name: str):
@@ -164,9 +162,8 @@ def op(name: str):
 
 
 def gemm_op():
-    """`torch.ops.kiln_cpp.gemm` (csrc/gemm.cpp), loading the library first."""
-    load()
-    return torch.ops.kiln_cpp.gemm
+    """`torch.ops.kiln_cpp.gemm` (csrc/gemm.cpp)."""
+    return op("gemm")
 
 
 def kernel_capability() -> str:

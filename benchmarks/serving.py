@@ -5,7 +5,8 @@ and reports request and output-token throughput and mean/median/p99 of TTFT (tim
 TPOT (time per output token after the first) and ITL (inter-token latency, between streamed chunks).
 
 Requests are synthetic and seeded: ShareGPT-like long-tailed (log-normal) prompt and output lengths,
-prompts cut from Python's standard library source (what the default model was trained on), sent as
+prompts cut from Python's standard library source (what the default model was trained on; --dataset
+random draws token ids instead, for a model whose tokenizer the source means nothing to), sent as
 token ids (--text_prompts sends text) with `ignore_eos` so that each request generates its length
 (Triton: text, with `end_id` -1, which generates exactly `max_tokens`: the output length counted is
 the one asked for). Load is fixed concurrency (--concurrency, a sweep: one run per value) or a
@@ -68,16 +69,26 @@ class Result:
 
 # ---------------------------------------------------------------------------------- workload
 def make_requests(tokenizer, n: int, input_len: int, output_len: int, max_input: int, max_seq: int,
-                  seed: int, shared_prefix_len: int = 0) -> list[tuple[list[int], int]]:
+                  seed: int, shared_prefix_len: int = 0, dataset: str = "stdlib") -> list[tuple[list[int], int]]:
     """n (prompt ids, output length) pairs: log-normal lengths around the given medians (ShareGPT's
     shape: most requests short, a long tail), clipped to the server's limits; with a shared prefix,
-    each prompt is the same system prompt of that many tokens and then its own user turn."""
+    each prompt is the same system prompt of that many tokens and then its own user turn.
+
+    dataset: "stdlib", windows of Python's standard library source; "random", token ids drawn
+    uniformly from the vocabulary, apart from special tokens (vLLM's random dataset: for a tokenizer
+    the source means nothing to, whose windows would all be the same unknown token and be served
+    from the prefix cache)."""
     if shared_prefix_len and shared_prefix_len + 4 > max_input:
         sys.exit(f"--shared_prefix_len {shared_prefix_len} leaves no room for a user turn: the server's longest "
                  f"prompt is {max_input} tokens (--max_input_len, or an engine built with a larger one)")
     rng = np.random.default_rng(seed)
-    files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))
-    corpus = tokenizer.encode("\n".join(Path(f).read_text(errors="replace") for f in files[:12]))
+    if dataset == "random":
+        special = set(tokenizer.all_special_ids)
+        vocab = np.array([i for i in range(len(tokenizer)) if i not in special])
+        corpus = rng.choice(vocab, 1 << 20).tolist()
+    else:
+        files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))
+        corpus = tokenizer.encode("\n".join(Path(f).read_text(errors="replace") for f in files[:12]))
     ins = np.clip(rng.lognormal(np.log(input_len), 0.8, n).astype(int), 4, max_input - shared_prefix_len)
     outs = rng.lognormal(np.log(output_len), 0.7, n).astype(int)
     start = int(rng.integers(0, len(corpus) - shared_prefix_len)) if shared_prefix_len else 0
@@ -419,6 +430,8 @@ def main():
     ap.add_argument("--api_key")
     ap.add_argument("--tokenizer", help="HF tokenizer dir (default: the engine dir)")
     ap.add_argument("--num_prompts", type=int, default=200, help="requests per run (at least 2 x concurrency)")
+    ap.add_argument("--dataset", choices=["stdlib", "random"], default="stdlib",
+                    help="prompts cut from the standard library's source, or random token ids")
     ap.add_argument("--input_len", type=int, default=96, help="median prompt length (log-normal)")
     ap.add_argument("--output_len", type=int, default=128, help="median output length (log-normal)")
     ap.add_argument("--max_input_len", type=int, help="longest prompt (default: the engine's, or half the "
@@ -478,7 +491,7 @@ def main():
                     # A seed per run: a server's prefix cache holds the prompts of its earlier runs. The
                     # warm-up is a request of its own (with a shared prefix, it caches the system prompt).
                     requests = make_requests(tokenizer, n + 1, args.input_len, args.output_len, max_input, max_seq,
-                                             args.seed + i, args.shared_prefix_len)
+                                             args.seed + i, args.shared_prefix_len, args.dataset)
                     *requests, warmup = as_text(tokenizer, requests, max_input, max_seq)  # the same for all
                     results, duration = asyncio.run(run_load(base_url, model, requests, c, args.request_rate,
                                                              args.api_key, args.text_prompts, tokenizer, args.seed,
@@ -505,7 +518,7 @@ def main():
     if args.hf_baseline:
         dtype = args.hf_dtype or build.get("pretrained_config", {}).get("dtype") or "float32"
         requests = make_requests(tokenizer, args.num_prompts + 1, args.input_len, args.output_len, max_input,
-                                 max_seq, args.seed, args.shared_prefix_len)  # the first run's (or its first)
+                                 max_seq, args.seed, args.shared_prefix_len, args.dataset)  # the first run's (or its first)
         requests = as_text(tokenizer, requests, max_input, max_seq)[:-1][:args.hf_num_prompts]
         results, duration = run_hf(args.hf_baseline, dtype, requests, args.threads)
         hf = {"label": f"HF transformers ({dtype}), one at a time", "concurrency": None,

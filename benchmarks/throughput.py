@@ -5,8 +5,10 @@ By default it makes a random-weight model of SmolLM-135M's shape (hidden 576, 30
   - decode tokens/s at each --batch size (prompts of --input_len tokens, --output_len new tokens),
   - prefill tokens/s of one --prefill_len prompt,
 for Kiln and for HF, and prints the ratios; and how long loading the engine took, and what it wrote.
-Prompts are random token ids of equal length, so HF's batched generate needs no padding. It prints
-the CPU and its ISA flags first.
+Prompts are random token ids of equal length, so HF's batched generate needs no padding, and every
+timed Kiln call gets prompts of its own: a prompt seen before would be served by the prefix cache (a
+"prefill" of one block). The share of timed prompt tokens the cache served is printed (0% expected).
+It prints the CPU and its ISA flags first.
 
 --formats adds Kiln's weight-only int8 / int4 engines of the same weights (RTN, --group_size);
 --llama_cpp measures llama.cpp at bf16, q8_0 and q4_0 on the same weights (benchmarks/llama_cpp_bench.py
@@ -25,6 +27,7 @@ must divide the KV heads: 3 for SmolLM-135M, 8 for llama-1b).
   python benchmarks/throughput.py --shape llama-1b --tp 2 --build_only
 """
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -78,16 +81,32 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
 
 
+_seeds = itertools.count(1000)
+cache_share = {"prompt_tokens": 0, "cached_tokens": 0}  # over the timed Kiln calls
+
+
+def fresh(batch: int, length: int, vocab: int) -> list[dict]:
+    """Kiln inputs no earlier call has sent."""
+    return [{"prompt_token_ids": p} for p in prompts(batch, length, vocab, seed=next(_seeds))]
+
+
+def timed(llm, inputs, params):
+    outs = llm.generate(inputs, params)
+    cache_share["prompt_tokens"] += sum(len(o.prompt_token_ids) for o in outs)
+    cache_share["cached_tokens"] += sum(o.num_cached_tokens or 0 for o in outs)
+    return outs
+
+
 def time_kiln(llm, batch, input_len, output_len, vocab):
     from kiln import SamplingParams
 
-    ids = [{"prompt_token_ids": p} for p in prompts(batch, input_len, vocab)]
-    llm.generate(ids[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    llm.generate(fresh(1, input_len, vocab), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     start = time.perf_counter()
-    llm.generate(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    timed(llm, fresh(batch, input_len, vocab), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    outs = timed(llm, fresh(batch, input_len, vocab), SamplingParams(temperature=0, max_tokens=output_len,
+                                                                     ignore_eos=True))
     total = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
     return batch * (output_len - 1) / max(total - prefill, 1e-9)
@@ -98,8 +117,8 @@ def decode_kiln(llm, batch, input_len, output_len, vocab):
     time from the first first token to the last finish (no prefill time subtracted)."""
     from kiln import SamplingParams
 
-    ids = [{"prompt_token_ids": p} for p in prompts(batch, input_len, vocab)]
-    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    outs = timed(llm, fresh(batch, input_len, vocab), SamplingParams(temperature=0, max_tokens=output_len,
+                                                                     ignore_eos=True))
     start = min(o.metrics.first_token_time for o in outs)
     return sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (max(o.metrics.finished_time for o in outs) - start)
 
@@ -125,12 +144,12 @@ def time_hf(model, batch, input_len, output_len, vocab):
 def prefill_kiln(llm, length, vocab, repeats=3):
     from kiln import SamplingParams
 
-    ids = [{"prompt_token_ids": prompts(1, length, vocab, seed=1)[0]}]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate(ids, params)
+    llm.generate(fresh(1, length, vocab), params)
+    inputs = [fresh(1, length, vocab) for _ in range(repeats)]
     start = time.perf_counter()
-    for _ in range(repeats):
-        llm.generate(ids, params)
+    for one in inputs:
+        timed(llm, one, params)
     return length * repeats / (time.perf_counter() - start)
 
 
@@ -148,8 +167,8 @@ def decode_seconds_at(llm, context, vocab, new_tokens=33):
     """Seconds per decoded token of one sequence whose context is `context` tokens long."""
     from kiln import SamplingParams
 
-    ids = [{"prompt_token_ids": prompts(1, context, vocab, seed=2)[0]}]
-    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0]
+    out = timed(llm, fresh(1, context, vocab), SamplingParams(temperature=0, max_tokens=new_tokens,
+                                                              ignore_eos=True))[0]
     return out.metrics.time_per_output_token
 
 
@@ -164,19 +183,17 @@ def mixed_step(engine, vocab, prefill_len=512, num_decodes=15, input_len=128, re
         return time.perf_counter() - start
 
     long_params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    long_prompt = {"prompt_token_ids": prompts(1, prefill_len, vocab, seed=3)[0]}
     prefill = []
     for _ in range(repeats + 1):  # the first is a warm-up
-        engine.add_request(long_prompt, long_params)
+        engine.add_request(fresh(1, prefill_len, vocab)[0], long_params)
         prefill.append(timed_step())
     params = SamplingParams(temperature=0, max_tokens=4 * repeats + 8, ignore_eos=True)
-    decoders = [engine.add_request({"prompt_token_ids": p}, params)
-                for p in prompts(num_decodes, input_len, vocab, seed=4)]
+    decoders = [engine.add_request(p, params) for p in fresh(num_decodes, input_len, vocab)]
     engine.step()  # their prefill: from here on they decode
     decode, mixed = [], []
     for _ in range(repeats + 1):
         decode.append(timed_step())
-        rid = engine.add_request(long_prompt, long_params)
+        rid = engine.add_request(fresh(1, prefill_len, vocab)[0], long_params)
         mixed.append(timed_step())
         engine.abort(rid)
     for rid in decoders:
@@ -389,6 +406,10 @@ def main():
         p = json.loads((engine_dir / "config.json").read_text())["pretrained_config"]
         results["all_reduce"] = all_reduce.run(p["hidden_size"], sorted({*args.batch, args.prefill_len}), args.dtype)
     results["load_average_end"] = os.getloadavg()[0]
+    results["prefix_cache"] = dict(cache_share)
+    share = cache_share["cached_tokens"] / max(cache_share["prompt_tokens"], 1)
+    print(f"prefix cache: {cache_share['cached_tokens']} of the {cache_share['prompt_tokens']} prompt tokens of "
+          f"the timed Kiln calls were served from it ({share:.1%}; every timed prompt is fresh)")
 
     def row(label, r):
         ratio = f"{r['kiln'] / r['hf']:.2f}x" if r["hf"] else "-"

@@ -54,17 +54,21 @@ def wait_for(predicate, timeout: float = 60, what: str = "condition"):
 
 
 class Triton:
-    """`kiln triton-serve` on free loopback ports."""
+    """`kiln triton-serve` on free loopback ports; activated: as from a shell that sourced this
+    virtualenv's bin/activate (its bin first on PATH), as users run it."""
 
-    def __init__(self, repo: Path, log: Path):
+    def __init__(self, repo: Path, log: Path, activated: bool = True):
         self.http, self.grpc, self.metrics_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.http}"
         self.log = log
-        kiln = Path(sys.executable).parent / "kiln"
+        bin_dir = Path(sys.executable).parent
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if activated and sys.prefix != sys.base_prefix:
+            env.update(VIRTUAL_ENV=sys.prefix, PATH=os.pathsep.join([str(bin_dir), env.get("PATH", "")]))
         self.proc = subprocess.Popen(
-            [str(kiln), "triton-serve", "--model_repo", str(repo), "--address", "127.0.0.1", "--http-port",
+            [str(bin_dir / "kiln"), "triton-serve", "--model_repo", str(repo), "--address", "127.0.0.1", "--http-port",
              str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics_port)],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 600
         while "tritonserver ready" not in log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -572,7 +576,7 @@ def test_non_decoupled_repository(engine_dir, llm, tmp_path):
     result = CliRunner().invoke(cli, ["triton-repo", "--engine_dir", str(engine_dir), "--output_dir", str(out),
                                       "--param", "decoupled_mode=false", "--param", "enable_kv_cache_reuse=false"])
     assert result.exit_code == 0, result.output
-    server = Triton(out, tmp_path / "server.log")
+    server = Triton(out, tmp_path / "server.log", activated=False)  # as the venv's kiln run by its path
     try:
         ref = llm.generate([PROMPTS[0], PROMPTS[4]], [greedy(4), greedy(6)])
         with httpx.Client(base_url=server.url, timeout=120) as http:

@@ -2,7 +2,8 @@
 its own backends and Python), or else the binary in the `nvidia-pytriton` wheel, with a Python
 backend directory holding the stub for this interpreter's version and PYTHONPATH set so that the
 stub (the system's Python, in isolated mode: each model.py puts PYTHONPATH's entries on sys.path)
-imports kiln and this environment's packages."""
+imports kiln and this environment's packages; the stub's PATH starts with a `python3` of the
+libpython it loads, so that an activated virtualenv does not lend it another build's stdlib."""
 import ctypes.util
 import os
 import shutil
@@ -78,8 +79,41 @@ def command(repo, address: str, http_port: int, grpc_port: int, metrics_port: in
         server, libs, backends = pytriton_server()
         exe = str(server)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), env.get("LD_LIBRARY_PATH")]))
+        python = stub_python(backends, env)
+        if python is not None:
+            env["PATH"] = os.pathsep.join(filter(None, [str(python), env.get("PATH")]))
         args.append(f"--backend-directory={backends}")
     return [exe, *args, *extra], env
+
+
+def stub_python(backends: Path, env: dict) -> Path | None:
+    """A folder whose `python3` is the interpreter of the libpython the stub loads (what `ldd`
+    resolves under env), to put first on the stub's PATH; None where that cannot be told.
+
+    The stub's embedded Python finds its standard library from the `python3` first on PATH (it runs
+    isolated: PYTHONHOME is ignored). In an activated virtualenv that is the venv's base interpreter
+    (pyenv's 3.11.7, say), whose compiled modules fail in the system's libpython (Debian's 3.11.2:
+    `_ssl...so: undefined symbol: _PyModule_Add`)."""
+    py = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    stub = backends / "python" / "triton_python_backend_stub"
+    try:
+        out = subprocess.run(["ldd", str(stub)], capture_output=True, text=True, env=env, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lib = next((line.split("=>")[1].split()[0] for line in out.splitlines()
+                if f"lib{py}.so" in line and "=>" in line and "not found" not in line), None)
+    home = lib and next((d for d in Path(lib).resolve().parents if (d / "lib" / py / "os.py").is_file()), None)
+    if home is None or not (home / "bin" / py).is_file():
+        return None
+    folder = backends.parent / ("stub-python" + str(home).replace(os.sep, "_"))
+    if not (folder / "python3").is_symlink():
+        tmp = Path(tempfile.mkdtemp(dir=backends.parent))
+        (tmp / "python3").symlink_to(home / "bin" / py)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another launch got there first
+            shutil.rmtree(tmp)
+    return folder
 
 
 def serve(repo, address: str, http_port: int, grpc_port: int, metrics_port: int, exit_timeout: int,

@@ -518,7 +518,7 @@ def main():
     if args.hf_baseline:
         dtype = args.hf_dtype or build.get("pretrained_config", {}).get("dtype") or "float32"
         requests = make_requests(tokenizer, args.num_prompts + 1, args.input_len, args.output_len, max_input,
-                                 max_seq, args.seed, args.shared_prefix_len, args.dataset)  # the first run's (or its first)
+                                 max_seq, args.seed, args.shared_prefix_len, args.dataset)  # the first run's
         requests = as_text(tokenizer, requests, max_input, max_seq)[:-1][:args.hf_num_prompts]
         results, duration = run_hf(args.hf_baseline, dtype, requests, args.threads)
         hf = {"label": f"HF transformers ({dtype}), one at a time", "concurrency": None,

@@ -386,7 +386,7 @@ def test_serving_benchmark_smoke(server, llm, hf_model, tmp_path):
     assert requests == bench.make_requests(tok, 6, 16, 8, max_input=TEST_BUILD["max_input_len"], max_seq=MAX_SEQ_LEN, seed=0)  # seeded
     rand = bench.make_requests(tok, 6, 16, 8, max_input=TEST_BUILD["max_input_len"], max_seq=MAX_SEQ_LEN, seed=0,
                                dataset="random")
-    assert len({tuple(p[:4]) for p, _ in rand}) == 6  # no two share a first block's worth of tokens
+    assert len({tuple(p[:4]) for p, _ in rand}) == 6  # no two begin alike
     assert not {t for p, _ in rand for t in p} & set(tok.all_special_ids)
     runs = []
     for c in (1, 4):

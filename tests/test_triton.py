@@ -9,16 +9,11 @@ a non-decoupled repository (reuse off) answers once per request; SIGTERM drains 
 stops the server). What needs no server is in tests/test_triton_repo.py."""
 import asyncio
 import json
-import os
-import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
-from functools import partial
 from pathlib import Path
 
 import httpx
@@ -31,90 +26,12 @@ from kiln import LLM, SamplingParams
 from kiln.cli import cli
 from kiln.runtime.frontend.detokenizer import IncrementalDetokenizer
 from tiny_models import PROMPTS
+from triton_client import (Stream, Triton, engine_inputs, free_port, grpc_inputs, idle, kv, ready, sse,
+                           wait_for)
 
 ROOT = Path(__file__).parent.parent
 MAX_TOKENS = 12
 LONG = 900  # tokens a cancelled request asks for (the engine's max_seq_len is 1024)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Triton:
-    """`kiln triton-serve` on free loopback ports; activated: as from a shell that sourced this
-    virtualenv's bin/activate (its bin first on PATH), as users run it."""
-
-    def __init__(self, repo: Path, log: Path, activated: bool = True):
-        self.http, self.grpc, self.metrics_port = free_port(), free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.http}"
-        self.log = log
-        bin_dir = Path(sys.executable).parent
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        if activated and sys.prefix != sys.base_prefix:
-            env.update(VIRTUAL_ENV=sys.prefix, PATH=os.pathsep.join([str(bin_dir), env.get("PATH", "")]))
-        self.proc = subprocess.Popen(
-            [str(bin_dir / "kiln"), "triton-serve", "--model_repo", str(repo), "--address", "127.0.0.1", "--http-port",
-             str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics_port)],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 600
-        while "tritonserver ready" not in log.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"kiln triton-serve did not become ready:\n{log.read_text()[-5000:]}")
-            time.sleep(0.2)
-
-    def metrics(self) -> dict[str, float]:
-        """Series by name and labels, without the model/version labels every series carries."""
-        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                name = re.sub(r'(model|version)="[^"]*",?', "", name).replace(",}", "}").replace("{}", "")
-                out[name] = out.get(name, 0.0) + float(value)
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def ready(server: Triton) -> bool:
-    try:
-        return httpx.get(f"{server.url}/v2/health/ready", timeout=5).status_code == 200
-    except httpx.TransportError:  # draining, Triton takes no new connections
-        return False
-
-
-def kv(m: dict, kind: str) -> float:
-    return m[f'nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="{kind}"}}']
-
-
-def idle(server: Triton) -> dict:
-    """Metrics once the engine has nothing in flight and every KV block is free again."""
-    def check():
-        m = server.metrics()
-        return m if m['nv_trt_llm_request_metrics{request_type="active"}'] == 0 and kv(m, "free") == kv(m, "max") \
-            else None
-    return wait_for(check, what="every request done and every KV block free")
 
 
 # ----------------------------------------------------------------------------------- fixtures
@@ -154,73 +71,6 @@ def http(server):
 
 def greedy(max_tokens=MAX_TOKENS, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
-
-
-def sse(client: httpx.Client, model: str, body: dict) -> list[dict]:
-    events = []
-    with client.stream("POST", f"/v2/models/{model}/generate_stream", json=body) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-    return events
-
-
-def grpc_inputs(**arrays) -> list:
-    out = []
-    for name, value in arrays.items():
-        value = np.asarray(value)
-        dtype = {np.dtype(bool): "BOOL", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
-                 np.dtype(np.uint64): "UINT64", np.dtype(object): "BYTES"}[value.dtype]
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        out.append(t)
-    return out
-
-
-def engine_inputs(ids: list[int], max_tokens: int, **extra) -> list:
-    scalars = {k: np.array([[v]], dtype=bool if isinstance(v, bool) else np.int32) for k, v in extra.items()}
-    return grpc_inputs(input_ids=np.array([ids], np.int32), input_lengths=np.array([[len(ids)]], np.int32),
-                       request_output_len=np.array([[max_tokens]], np.int32), **scalars)
-
-
-class Stream:
-    """A tritonclient.grpc stream collecting responses (or errors) in a queue."""
-
-    def __init__(self, server: Triton):
-        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
-        self.results = queue.Queue()
-        self.client.start_stream(callback=partial(lambda q, result, error: q.put(error or result), self.results))
-
-    def get(self, timeout: float = 120):
-        item = self.results.get(timeout=timeout)
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def send(self, model: str, inputs: list, **kw):
-        self.client.async_stream_infer(model, inputs, enable_empty_final_response=True, **kw)
-
-    def responses(self) -> list:
-        """One request's responses, up to its final (empty) one."""
-        out = []
-        while True:
-            result = self.get()
-            response = result.get_response()
-            if response.outputs:
-                out.append(result)
-            if response.parameters["triton_final_response"].bool_param:
-                return out
-
-    def call(self, model: str, inputs: list, outputs: list[str] | None = None):
-        """A request's only response (decoupled models answer over streams only)."""
-        self.send(model, inputs, outputs=[grpcclient.InferRequestedOutput(n) for n in outputs] if outputs else None)
-        (result,) = self.responses()
-        return result
-
-    def close(self, cancel: bool = False):
-        self.client.stop_stream(cancel_requests=cancel)
-        self.client.close()
 
 
 # ------------------------------------------------------------------------- serving: outputs
@@ -309,17 +159,23 @@ def test_non_streaming_outputs_logits_and_perf_metrics(server, llm):
             "total_accepted_draft_tokens", "total_draft_tokens"]
     r = stream.call("tensorrt_llm", engine_inputs(prompt, MAX_TOKENS, exclude_input_in_output=True,
                                                    return_log_probs=True, return_context_logits=True,
-                                                   return_generation_logits=True, return_perf_metrics=True),
+                                                   return_generation_logits=True, return_perf_metrics=True,
+                                                   return_num_input_tokens=True, return_num_output_tokens=True),
                     ["output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "context_logits",
-                     "generation_logits", *perf])
+                     "generation_logits", "num_input_tokens", "num_output_tokens", *perf])
     c = ref.outputs[0]
     assert r.as_numpy("output_ids")[0, 0].tolist() == c.token_ids
     assert r.as_numpy("sequence_length")[0, 0] == len(c.token_ids)
+    assert r.as_numpy("num_input_tokens")[0, 0] == len(prompt) and r.as_numpy("num_output_tokens")[0, 0] == len(c.token_ids)
     assert r.as_numpy("output_log_probs")[0, 0] == pytest.approx([lp[t] for t, lp in zip(c.token_ids, c.logprobs)],
                                                                  abs=1e-5)
     np.testing.assert_allclose(r.as_numpy("context_logits")[0], ref.context_logits.numpy(), atol=1e-5)
-    np.testing.assert_allclose(r.as_numpy("generation_logits")[0, 0], np.stack([g.numpy() for g in
-                                                                                c.generation_logits]), atol=1e-5)
+    # TensorRT-LLM's non-streaming layout: [1, beam, max_tokens, vocab], zero after the sequence ends
+    gen = r.as_numpy("generation_logits")
+    assert gen.shape == (1, 1, MAX_TOKENS, ref.context_logits.shape[-1])
+    np.testing.assert_allclose(gen[0, 0, :len(c.token_ids)], np.stack([g.numpy() for g in c.generation_logits]),
+                               atol=1e-5)
+    assert not gen[0, 0, len(c.token_ids):].any()
     m = {n: r.as_numpy(n)[0, 0] for n in perf}
     assert m["kv_cache_alloc_new_blocks"] == m["kv_cache_alloc_total_blocks"] == -(-(len(prompt) + MAX_TOKENS - 1)
                                                                                     // 8)
@@ -327,6 +183,61 @@ def test_non_streaming_outputs_logits_and_perf_metrics(server, llm):
     assert 0 < m["arrival_time_ns"] <= m["first_scheduled_time_ns"] <= m["first_token_time_ns"] \
         <= m["last_token_time_ns"]
     stream.close()
+
+
+def test_streamed_logits_and_token_counts_as_tensorrt_llm_streams_them(server, llm):
+    """Streaming (inflight_batcher_llm_client.py -S --return-context-logits ...): every response
+    carries the whole context_logits, the generation_logits of its own tokens as [1, tokens, beam,
+    vocab], and num_output_tokens of its own output_ids; num_input_tokens is the prompt's."""
+    prompt = llm.get_tokenizer().encode(PROMPTS[2])
+    ref = llm.generate({"prompt_token_ids": prompt}, greedy(return_context_logits=True,
+                                                            return_generation_logits=True))[0]
+    stream = Stream(server)
+    try:
+        stream.send("tensorrt_llm", engine_inputs(prompt, MAX_TOKENS, streaming=True, return_context_logits=True,
+                                                  return_generation_logits=True, return_num_input_tokens=True,
+                                                  return_num_output_tokens=True))
+        responses = stream.responses()
+        assert len(responses) > 1
+        generated = []
+        for r in responses:
+            new = r.as_numpy("output_ids")[0, 0]
+            np.testing.assert_allclose(r.as_numpy("context_logits")[0], ref.context_logits.numpy(), atol=1e-5)
+            gen = r.as_numpy("generation_logits")
+            assert gen.shape == (1, len(new), 1, ref.context_logits.shape[-1])
+            generated += list(gen[0, :, 0])
+            assert r.as_numpy("num_input_tokens")[0, 0] == len(prompt)
+            assert r.as_numpy("num_output_tokens")[0, 0] == len(new)
+        np.testing.assert_allclose(np.stack(generated), np.stack([g.numpy() for g in ref.outputs[0].generation_logits]),
+                                   atol=1e-5)
+    finally:
+        stream.close()
+
+
+def test_decoder_inputs_are_empty_for_a_decoder_only_engine(server, http, llm):
+    """TensorRT-LLM's encoder-decoder tensors, which end_to_end_test.py reads and sends: preprocessing
+    returns DECODER_INPUT_ID empty for a decoder-only engine, tensorrt_llm takes it so, and refuses
+    decoder tokens by name (through the ensemble, from decoder_text_input)."""
+    stream = Stream(server)
+    try:
+        pre = stream.call("preprocessing", grpc_inputs(QUERY=np.array([[PROMPTS[0].encode()]], object),
+                                                      REQUEST_OUTPUT_LEN=np.array([[4]], np.int32)))
+        ids, decoder = pre.as_numpy("INPUT_ID"), pre.as_numpy("DECODER_INPUT_ID")
+        assert decoder.shape == (1, 0) and pre.as_numpy("REQUEST_DECODER_INPUT_LEN").tolist() == [[0]]
+        inputs = grpc_inputs(input_ids=ids, decoder_input_ids=decoder, input_lengths=pre.as_numpy("REQUEST_INPUT_LEN"),
+                             request_output_len=np.array([[4]], np.int32))
+        out = stream.call("tensorrt_llm", inputs).as_numpy("output_ids")[0, 0].tolist()
+        ref = llm.generate({"prompt_token_ids": ids[0].tolist()}, greedy(max_tokens=4))[0].outputs[0]
+        assert out == ids[0].tolist() + ref.token_ids
+        stream.send("tensorrt_llm", engine_inputs(ids[0].tolist(), 4) + grpc_inputs(
+            decoder_input_ids=np.array([[1, 2]], np.int32)))
+        with pytest.raises(Exception, match="decoder_input_ids is for encoder-decoder engines"):
+            stream.get()
+    finally:
+        stream.close()
+    r = http.post("/v2/models/ensemble/generate", json={"text_input": PROMPTS[0], "max_tokens": 4,
+                                                        "decoder_text_input": "hello"})
+    assert r.status_code == 400 and "decoder_input_ids is for encoder-decoder engines" in r.json()["error"]
 
 
 def test_kv_cache_reuse_on_a_repeated_prompt(server, llm):

@@ -8,7 +8,10 @@ each response carries the new tokens only. The end token (`end_id`, or the engin
 one) ends a sequence and is not part of its output.
 A streamed token is held back until it completes text (a multi-byte character split over tokens),
 and `prefix_ids` carries the tokens before a response's, so that postprocessing decodes them in
-context."""
+context. As TensorRT-LLM's backend: `context_logits` ([1, prompt, vocab]) rides on every response;
+`generation_logits` is [1, 1, max_tokens, vocab] when not streaming (zero past the sequence's end)
+and [1, new tokens, 1, vocab] per streamed response; `num_output_tokens` counts the tokens of that
+response's output_ids."""
 import time
 from dataclasses import dataclass, field
 
@@ -52,6 +55,8 @@ class Row:
     pad_id: int
     log_probs: bool
     perf_metrics: bool
+    num_input_tokens: bool = False
+    num_output_tokens: bool = False
 
 
 def _scalar(tensors: dict, name: str, batch: int, row: int):
@@ -106,6 +111,12 @@ def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool
             raise RequestError(f"input_lengths must be in [1, {ids.shape[1]}] (the tokens in input_ids), "
                                f"got {length}")
         prompt = ids[b, :length].tolist()
+        decoder_ids = tensors.get("decoder_input_ids")
+        if decoder_ids is not None:
+            decoder_len = get("decoder_input_lengths", np.asarray(decoder_ids).reshape(batch, -1).shape[1])
+            if decoder_len > 0:
+                raise RequestError("decoder_input_ids is for encoder-decoder engines; this engine is decoder-only "
+                                   f"(got {decoder_len} decoder tokens): send it empty or leave it out")
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -148,7 +159,8 @@ def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool
             raise RequestError(str(e)) from None
         rows.append(Row(prompt, params, streaming, bool(get("exclude_input_in_output", exclude_input_default)),
                         end_id, get("pad_id", end_id or 0),
-                        bool(get("return_log_probs", False)), bool(get("return_perf_metrics", False))))
+                        bool(get("return_log_probs", False)), bool(get("return_perf_metrics", False)),
+                        bool(get("return_num_input_tokens", False)), bool(get("return_num_output_tokens", False))))
     return False, rows
 
 
@@ -158,7 +170,6 @@ class SequenceStream:
     sent: int = 0  # output tokens
     text: int = 0  # characters of the engine's detokenized text they made
     finished: bool = False
-    context_sent: bool = False
 
 
 @dataclass
@@ -167,6 +178,7 @@ class Tracker:
     row: Row
     batch_index: int
     tokens_per_block: int
+    vocab_size: int = 0  # generation_logits' width when a response has no rows
     streams: dict[int, SequenceStream] = field(default_factory=dict)
     last: RequestOutput | None = None  # the latest output seen
 
@@ -213,16 +225,25 @@ class Tracker:
             t["cum_log_probs"] = one(c.cumulative_logprob, np.float32)
             t["output_log_probs"] = np.array([[lps]], np.float32).reshape(1, 1, len(lps))
         if c.generation_logits is not None:
-            rows = c.generation_logits[start:end]
-            vocab = rows[0].shape[0] if rows else 0
-            t["generation_logits"] = (np.stack([r.numpy() for r in rows]) if rows else
-                                      np.zeros((0, vocab), np.float32)).reshape(1, 1, len(rows), vocab)
-        if out.context_logits is not None and not s.context_sent:
+            t["generation_logits"] = self._generation_logits(c.generation_logits[start:end], out)
+        if out.context_logits is not None:
             t["context_logits"] = out.context_logits.numpy()[None]
-            s.context_sent = True
+        if row.num_input_tokens:
+            t["num_input_tokens"] = one(len(out.prompt_token_ids), np.int32)
+        if row.num_output_tokens:
+            t["num_output_tokens"] = one(len(output), np.int32)
         if row.perf_metrics:
             t.update(self._perf(out, c))
         return t
+
+    def _generation_logits(self, rows: list, out: RequestOutput) -> np.ndarray:
+        vocab = rows[0].shape[0] if rows else self.vocab_size
+        logits = np.stack([r.numpy() for r in rows]) if rows else np.zeros((0, vocab), np.float32)
+        if self.row.streaming:  # token before beam, as TensorRT-LLM streams them
+            return logits.reshape(1, len(rows), 1, vocab)
+        padded = np.zeros((self.row.params.max_tokens, vocab), np.float32)
+        padded[:len(rows)] = logits
+        return padded.reshape(1, 1, -1, vocab)
 
     def _perf(self, out: RequestOutput, c: CompletionOutput) -> dict:
         m = out.metrics

@@ -123,7 +123,7 @@ class TritonPythonModel:
                 if not job.done:
                     self._send_error(sender, str(errors[0]) or type(errors[0]).__name__)
                 return
-            job.trackers = [Tracker(row, b, self.tokens_per_block) for b, row in enumerate(rows)]
+            job.trackers = [Tracker(row, b, self.tokens_per_block, self.vocab_size) for b, row in enumerate(rows)]
             job.tasks = [asyncio.ensure_future(self._row(job, t, s, f))
                          for t, s, f in zip(job.trackers, streams, firsts)]
             results = await asyncio.gather(*job.tasks, return_exceptions=True)

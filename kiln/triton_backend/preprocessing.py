@@ -54,11 +54,19 @@ class TritonPythonModel:
         width = max(len(i) for i in ids)
         input_ids = np.array([i + [int(pad_id[b, 0])] * (width - len(i)) for b, i in enumerate(ids)], np.int32)
         empty = [[]] * batch
+        # The decoder's prompt, for encoder-decoder engines; a decoder-only one gets it empty (and
+        # tensorrt_llm refuses it when it is not)
+        decoder = [self.tokenizer.encode(text_of(q), add_special_tokens=self.add_special_tokens)
+                   for q in np.asarray(t["DECODER_QUERY"]).reshape(-1)] if "DECODER_QUERY" in t else [[]] * batch
+        decoder_width = max(len(d) for d in decoder)
         return {"INPUT_ID": input_ids, "REQUEST_INPUT_LEN": np.array([[len(i)] for i in ids], np.int32),
                 "REQUEST_OUTPUT_LEN": out_len,
                 "BAD_WORDS_IDS": word_lists(t.get("BAD_WORDS_DICT", empty), self.tokenizer),
                 "STOP_WORDS_IDS": word_lists(t.get("STOP_WORDS_DICT", empty), self.tokenizer),
-                "OUT_END_ID": end_id, "OUT_PAD_ID": pad_id}
+                "OUT_END_ID": end_id, "OUT_PAD_ID": pad_id,
+                "DECODER_INPUT_ID": np.array([d + [int(pad_id[b, 0])] * (decoder_width - len(d))
+                                              for b, d in enumerate(decoder)], np.int32).reshape(batch, decoder_width),
+                "REQUEST_DECODER_INPUT_LEN": np.array([[len(d)] for d in decoder], np.int32)}
 
     @staticmethod
     def _per_row(t: dict, name: str, default: int, batch: int) -> np.ndarray:

@@ -28,12 +28,17 @@ def _parameters(values: tuple[str, ...]) -> dict[str, str]:
                    "triton_max_batch_size, decoupled_mode, "
                    "max_queue_delay_microseconds, bls_instance_count, preprocessing_instance_count, "
                    "postprocessing_instance_count, ...")
+@click.option("--layout", type=click.Choice(["inflight_batcher_llm", "llmapi"]), default="inflight_batcher_llm",
+              show_default=True, help="inflight_batcher_llm: TensorRT-LLM's five models (token ids in and out of "
+              "tensorrt_llm, text through the ensemble or BLS); llmapi: its single text-in, text-out tensorrt_llm "
+              "model, configured by 1/model.yaml (the fastest for text clients).")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty --output_dir.")
 @click.option("--check", "check_dir", type=click.Path(), default=None,
               help="Check an existing repository instead (ours, or one filled with fill_template.py).")
-def triton_repo(engine_dir, output_dir, params, overwrite, check_dir):
-    """Write a Triton model repository with tensorrtllm_backend's models (preprocessing, tensorrt_llm,
-    postprocessing, ensemble, tensorrt_llm_bls) and tensor names, serving the engine in-process."""
+def triton_repo(engine_dir, output_dir, params, layout, overwrite, check_dir):
+    """Write a Triton model repository in one of TensorRT-LLM's layouts, with its models' tensor names,
+    serving the engine in-process: inflight_batcher_llm (preprocessing, tensorrt_llm, postprocessing,
+    ensemble, tensorrt_llm_bls) or llmapi (one tensorrt_llm model)."""
     from kiln.triton_backend.parameters import PARAMETERS, ParamError
     from kiln.triton_backend.repository import check_repository, write_repository
 
@@ -48,7 +53,7 @@ def triton_repo(engine_dir, output_dir, params, overwrite, check_dir):
     if engine_dir is None or output_dir is None:
         raise click.UsageError("--engine_dir and --output_dir are required (or --check REPO)")
     try:
-        out = write_repository(engine_dir, output_dir, _parameters(params), overwrite)
+        out = write_repository(engine_dir, output_dir, _parameters(params), overwrite, layout)
     except ParamError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {out} ({len(PARAMETERS)} parameters checked); serve it with "

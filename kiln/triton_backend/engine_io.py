@@ -233,7 +233,7 @@ class Tracker:
         if row.num_output_tokens:
             t["num_output_tokens"] = one(len(output), np.int32)
         if row.perf_metrics:
-            t.update(self._perf(out, c))
+            t.update(perf_metrics(out, c, self.tokens_per_block))
         return t
 
     def _generation_logits(self, rows: list, out: RequestOutput) -> np.ndarray:
@@ -245,23 +245,25 @@ class Tracker:
         padded[:len(rows)] = logits
         return padded.reshape(1, 1, -1, vocab)
 
-    def _perf(self, out: RequestOutput, c: CompletionOutput) -> dict:
-        m = out.metrics
-        blocks = -(-(len(out.prompt_token_ids) + len(c.token_ids) - 1) // self.tokens_per_block)
-        reused = (out.num_cached_tokens or 0) // self.tokens_per_block  # prefix cache hits are whole blocks
 
-        def ns(t):
-            return np.array([[int((t if t is not None else time.monotonic()) * 1e9)]], np.int64)
+def perf_metrics(out: RequestOutput, c: CompletionOutput, tokens_per_block: int) -> dict:
+    """return_perf_metrics' tensors, [1, 1] each."""
+    m = out.metrics
+    blocks = -(-(len(out.prompt_token_ids) + len(c.token_ids) - 1) // tokens_per_block)
+    reused = (out.num_cached_tokens or 0) // tokens_per_block  # prefix cache hits are whole blocks
 
-        return {"kv_cache_alloc_new_blocks": np.array([[blocks - reused]], np.int32),
-                "kv_cache_reused_blocks": np.array([[reused]], np.int32),
-                "kv_cache_alloc_total_blocks": np.array([[blocks]], np.int32),
-                "arrival_time_ns": ns(m.arrival_time), "first_scheduled_time_ns": ns(m.first_scheduled_time),
-                "first_token_time_ns": ns(m.first_token_time), "last_token_time_ns": ns(m.finished_time),
-                # 0 unless the engine speculates (the Triton model takes no speculative_config yet)
-                "acceptance_rate": np.array([[m.num_accepted_tokens / max(m.num_draft_tokens, 1)]], np.float32),
-                "total_accepted_draft_tokens": np.array([[m.num_accepted_tokens]], np.int32),
-                "total_draft_tokens": np.array([[m.num_draft_tokens]], np.int32)}
+    def ns(t):
+        return np.array([[int((t if t is not None else time.monotonic()) * 1e9)]], np.int64)
+
+    return {"kv_cache_alloc_new_blocks": np.array([[blocks - reused]], np.int32),
+            "kv_cache_reused_blocks": np.array([[reused]], np.int32),
+            "kv_cache_alloc_total_blocks": np.array([[blocks]], np.int32),
+            "arrival_time_ns": ns(m.arrival_time), "first_scheduled_time_ns": ns(m.first_scheduled_time),
+            "first_token_time_ns": ns(m.first_token_time), "last_token_time_ns": ns(m.finished_time),
+            # 0 unless the engine speculates (the Triton model takes no speculative_config yet)
+            "acceptance_rate": np.array([[m.num_accepted_tokens / max(m.num_draft_tokens, 1)]], np.float32),
+            "total_accepted_draft_tokens": np.array([[m.num_accepted_tokens]], np.int32),
+            "total_draft_tokens": np.array([[m.num_draft_tokens]], np.int32)}
 
 
 def merge(responses: list[dict], pad_id: int) -> dict:

@@ -13,7 +13,14 @@ from pathlib import Path
 from kiln.config import EngineConfig
 from kiln.triton_backend.parameters import PARAMETERS, ParamError, parse, read
 
-TEMPLATES = Path(__file__).parent / "templates" / "inflight_batcher_llm"
+TEMPLATE_ROOT = Path(__file__).parent / "templates"
+TEMPLATES = TEMPLATE_ROOT / "inflight_batcher_llm"
+LAYOUTS = ("inflight_batcher_llm", "llmapi")
+# The parameters the llmapi layout takes (the rest are its preprocessing/postprocessing/BLS's);
+# they become model.yaml's keys (LLMAPI_YAML) or config.pbtxt's decoupled.
+LLMAPI_PARAMETERS = ("gpt_model_path", "tokenizer_dir", "batch_scheduler_policy", "max_tokens_in_paged_kv_cache",
+                     "kv_cache_free_gpu_mem_fraction", "enable_chunked_context", "enable_kv_cache_reuse",
+                     "cancellation_check_period_ms", "decoupled_mode")
 PYTHON_MODELS = ("preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
 MODELS = PYTHON_MODELS + ("ensemble",)
 MODEL_PARAMETERS = {
@@ -67,9 +74,34 @@ def resolve(engine_dir, overrides: dict[str, str]) -> dict[str, str]:
     return values
 
 
-def write_repository(engine_dir, output_dir, overrides: dict[str, str], overwrite: bool = False) -> Path:
-    """Fill the templates into a temporary sibling of output_dir, check it, and rename it into place;
-    nothing is written unless every parameter is good."""
+def llmapi_yaml(values: dict[str, str]) -> dict:
+    """model.yaml of the llmapi layout: the LLM API's names for the resolved parameters."""
+    kv = {"enable_block_reuse": values["enable_kv_cache_reuse"] == "true"}
+    if values["kv_cache_free_gpu_mem_fraction"]:
+        kv["free_gpu_memory_fraction"] = float(values["kv_cache_free_gpu_mem_fraction"])
+    if values["max_tokens_in_paged_kv_cache"]:
+        kv["max_tokens"] = int(values["max_tokens_in_paged_kv_cache"])
+    cfg = {"model": values["gpt_model_path"]}
+    if values["tokenizer_dir"] != values["gpt_model_path"]:
+        cfg["tokenizer"] = values["tokenizer_dir"]
+    cfg.update(enable_chunked_prefill=values["enable_chunked_context"] == "true", kv_cache_config=kv,
+               scheduler_config={"capacity_scheduler_policy": values["batch_scheduler_policy"].upper()},
+               triton_config={"max_batch_size": 0, "decoupled": values["decoupled_mode"] == "true",
+                              "cancellation_check_period_ms": int(values["cancellation_check_period_ms"])})
+    return cfg
+
+
+def write_repository(engine_dir, output_dir, overrides: dict[str, str], overwrite: bool = False,
+                     layout: str = "inflight_batcher_llm") -> Path:
+    """Fill the layout's templates into a temporary sibling of output_dir, check it, and rename it
+    into place; nothing is written unless every parameter is good."""
+    if layout not in LAYOUTS:
+        raise ParamError(f"--layout {layout!r}: expected {' or '.join(LAYOUTS)}")
+    if layout == "llmapi":
+        other = [name for name in overrides if name in PARAMETERS and name not in LLMAPI_PARAMETERS]
+        if other:
+            raise ParamError(f"parameter(s) {', '.join(other)} are for the inflight_batcher_llm layout; the llmapi "
+                             f"layout takes {', '.join(LLMAPI_PARAMETERS)}")
     values = resolve(engine_dir, overrides)
     out = Path(output_dir).expanduser().resolve()
     for name in ("gpt_model_path", "tokenizer_dir"):
@@ -83,15 +115,22 @@ def write_repository(engine_dir, output_dir, overrides: dict[str, str], overwrit
         raise ParamError(f"--output_dir {out} exists and is not empty; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    templates = TEMPLATE_ROOT / layout
     try:
-        for model in MODELS:
-            (tmp / model / "1").mkdir(parents=True)
-        for src in sorted(TEMPLATES.rglob("*")):
-            dst = tmp / src.relative_to(TEMPLATES)
-            if src.name == "config.pbtxt":
+        for src in sorted(templates.rglob("*")):
+            dst = tmp / src.relative_to(templates)
+            if src.is_dir():
+                dst.mkdir(parents=True, exist_ok=True)
+            elif src.name == "config.pbtxt":
                 dst.write_text(string.Template(src.read_text()).substitute(values))
             elif src.name == "model.py":
                 shutil.copyfile(src, dst)
+        if layout == "llmapi":
+            import yaml
+
+            (tmp / "tensorrt_llm" / "1" / "model.yaml").write_text(
+                "# The engine and its runtime options, by the LLM API's names (see README.md, Triton).\n"
+                + yaml.safe_dump(llmapi_yaml(values), sort_keys=False))
         problems = check_repository(tmp)
         if problems:  # a template bug: never leave a repository Triton would refuse
             raise ParamError(f"the written repository does not check: {problems[0]}")
@@ -113,6 +152,8 @@ def check_repository(repo) -> list[str]:
     repo = Path(repo)
     if not repo.is_dir():
         return [f"{repo} is not a directory"]
+    if (repo / "tensorrt_llm" / "1" / "model.yaml").is_file() and not (repo / "ensemble").exists():
+        return _check_llmapi(repo)
     problems, configs = [], {}
     for model in MODELS:
         path = repo / model / "config.pbtxt"
@@ -155,6 +196,34 @@ def check_repository(repo) -> list[str]:
         if steps != ["preprocessing", "tensorrt_llm", "postprocessing"]:
             problems.append(f"ensemble/config.pbtxt: steps are {steps}, expected preprocessing, tensorrt_llm, "
                             "postprocessing")
+    return problems
+
+
+def _check_llmapi(repo: Path) -> list[str]:
+    from kiln.triton_backend.llmapi_io import ModelYamlError, read_model_yaml
+
+    model, problems = repo / "tensorrt_llm", []
+    for name in ("config.pbtxt", "1/model.py"):
+        if not (model / name).is_file():
+            problems.append(f"tensorrt_llm/{name} is missing")
+    try:
+        cfg = read_model_yaml(model / "1" / "model.yaml")
+    except ModelYamlError as e:
+        problems.append(str(e))
+        cfg = None
+    if problems:
+        return problems
+    try:
+        config = _parse_config((model / "config.pbtxt").read_text())
+    except ValueError as e:
+        return [f"tensorrt_llm/config.pbtxt: not a valid model configuration: {e}"]
+    if config.name != "tensorrt_llm":
+        problems.append(f"tensorrt_llm/config.pbtxt: name is {config.name!r}, expected 'tensorrt_llm'")
+    for key, pbtxt, yaml_value in (("max_batch_size", config.max_batch_size, cfg.max_batch_size),
+                                   ("decoupled", config.model_transaction_policy.decoupled, cfg.decoupled)):
+        if pbtxt != yaml_value:
+            problems.append(f"tensorrt_llm: {key} is {pbtxt} in config.pbtxt but {yaml_value} in model.yaml's "
+                            "triton_config; they must agree")
     return problems
 
 

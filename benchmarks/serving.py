@@ -1,6 +1,7 @@
 """Online serving benchmark, like vLLM's `benchmark_serving`: streams requests at an OpenAI-compatible
 server (/v1/completions) or at Triton (`--backend triton`: the `ensemble` and/or `tensorrt_llm_bls`
-model of a `kiln triton-repo` repository, or of tensorrtllm_backend's, over /v2/models/*/generate_stream)
+model of a `kiln triton-repo` repository, or of tensorrtllm_backend's; `--backend llmapi`: the one
+`tensorrt_llm` model of `kiln triton-repo --layout llmapi`; both over /v2/models/*/generate_stream)
 and reports request and output-token throughput and mean/median/p99 of TTFT (time to first token),
 TPOT (time per output token after the first) and ITL (inter-token latency, between streamed chunks).
 
@@ -8,8 +9,8 @@ Requests are synthetic and seeded: ShareGPT-like long-tailed (log-normal) prompt
 prompts cut from Python's standard library source (what the default model was trained on; --dataset
 random draws token ids instead, for a model whose tokenizer the source means nothing to), sent as
 token ids (--text_prompts sends text) with `ignore_eos` so that each request generates its length
-(Triton: text, with `end_id` -1, which generates exactly `max_tokens`: the output length counted is
-the one asked for). Load is fixed concurrency (--concurrency, a sweep: one run per value) or a
+(Triton: text, with `end_id` -1, or llmapi's `sampling_param_ignore_eos`, which generate exactly
+`max_tokens`: the output length counted is the one asked for). Load is fixed concurrency (--concurrency, a sweep: one run per value) or a
 Poisson --request_rate.
 
 --shared_prefix_len N gives every prompt the same N-token system prompt before its own user turn
@@ -151,7 +152,8 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int)
 
 
 async def send_triton(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int) -> Result:
-    """One generate_stream request: each SSE event carries the text of the tokens since the last."""
+    """One generate_stream request: each SSE event carries the text of the tokens since the last (the
+    llmapi layout: all text so far)."""
     r = Result(prompt_len=prompt_len)
     start = last = time.perf_counter()
     try:
@@ -175,7 +177,8 @@ async def send_triton(client: httpx.AsyncClient, url: str, body: dict, prompt_le
                     r.itl.append(now - last)
                 last = now
         r.latency = time.perf_counter() - start
-        r.output_len = body["max_tokens"]  # end_id -1: nothing ends a request before max_tokens
+        # end_id -1 / ignore_eos: nothing ends a request before max_tokens
+        r.output_len = body.get("max_tokens") or body["sampling_param_max_tokens"]
         r.ok = r.ttft > 0
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         r.error = f"{type(e).__name__}: {e}"
@@ -196,6 +199,10 @@ async def run_load(base_url: str, model: str, requests, concurrency: int | None,
         if backend == "triton":
             return {"text_input": tokenizer.decode(ids, skip_special_tokens=True), "max_tokens": out,
                     "stream": True, "end_id": -1}
+        if backend == "llmapi":
+            return {"text_input": tokenizer.decode(ids, skip_special_tokens=True), "sampling_param_max_tokens": out,
+                    "streaming": True, "sampling_param_ignore_eos": True,
+                    "sampling_param_exclude_input_from_output": True}
         prompt = tokenizer.decode(ids, skip_special_tokens=True) if text_prompts else ids
         return {"model": model, "prompt": prompt, "max_tokens": out, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -374,7 +381,7 @@ def free_port() -> int:
 
 def start_server(engine_dir: str, threads: int | None, log: Path, backend: str = "openai",
                  prefix_caching: bool = True) -> tuple[subprocess.Popen, str]:
-    """`kiln serve` (openai), or `kiln triton-repo` + `kiln triton-serve` (triton), on the engine."""
+    """`kiln serve` (openai), or `kiln triton-repo` + `kiln triton-serve` (triton, llmapi), on the engine."""
     kiln = str(Path(sys.executable).parent / "kiln")
     port = free_port()
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
@@ -385,8 +392,9 @@ def start_server(engine_dir: str, threads: int | None, log: Path, backend: str =
             + (["--threads", str(threads)] if threads else [])
         health = "/health"
     else:
-        repo = log.parent / "triton_repo"
+        repo = log.parent / f"triton_repo_{backend}"
         subprocess.run([kiln, "triton-repo", "--engine_dir", engine_dir, "--output_dir", str(repo), "--overwrite",
+                        "--layout", "llmapi" if backend == "llmapi" else "inflight_batcher_llm",
                         "--param", "batch_scheduler_policy=max_utilization",
                         "--param", "enable_chunked_context=true",
                         "--param", f"enable_kv_cache_reuse={str(prefix_caching).lower()}"],
@@ -423,8 +431,9 @@ def main():
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--base_url", help="a server already running, e.g. http://127.0.0.1:8000 (one --backend)")
     where.add_argument("--engine_dir", help="start the servers on this engine, one after the other (and stop them)")
-    ap.add_argument("--backend", nargs="+", choices=["openai", "triton"], default=["openai"],
-                    help="openai: /v1/completions (kiln serve); triton: generate_stream of --triton_models")
+    ap.add_argument("--backend", nargs="+", choices=["openai", "triton", "llmapi"], default=["openai"],
+                    help="openai: /v1/completions (kiln serve); triton: generate_stream of --triton_models; "
+                    "llmapi: generate_stream of the llmapi layout's tensorrt_llm")
     ap.add_argument("--triton_models", nargs="+", default=["ensemble"], choices=["ensemble", "tensorrt_llm_bls"])
     ap.add_argument("--model", help="OpenAI model name to send (default: the server's first in /v1/models)")
     ap.add_argument("--api_key")
@@ -481,7 +490,8 @@ def main():
                 targets = [(args.model or models["data"][0]["id"], "kiln serve" if args.engine_dir else base_url)]
                 max_seq = models["data"][0].get("max_model_len") or 2048
             else:
-                targets = [(m, f"Triton {m}") for m in args.triton_models]
+                targets = [(m, f"Triton {m}") for m in args.triton_models] if backend == "triton" else \
+                    [("tensorrt_llm", "Triton llmapi")]
                 max_seq = build.get("build_config", {}).get("max_seq_len") or args.max_seq_len or 2048
             max_input = args.max_input_len or build.get("build_config", {}).get("max_input_len") or max_seq // 2
             for model, server in targets:

@@ -3,7 +3,9 @@
 --test-llmapi drives it: generate and generate_stream equal LLM.generate's text, cancellation by a
 closed stream, a cancelled gRPC stream or a `stop` request frees the engine's blocks, perf metrics,
 bad input named; model.yaml's keys checked; a non-decoupled repository answers once."""
+import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -18,6 +20,7 @@ from kiln.triton_backend.repository import check_repository
 from tiny_models import PROMPTS
 from triton_client import Stream, Triton, grpc_inputs, idle, sse
 
+ROOT = Path(__file__).parent.parent
 MAX_TOKENS = 12
 LONG = 900
 
@@ -144,6 +147,28 @@ def test_cancellation_frees_the_requests_blocks(server, route):
     steps = after['nv_trt_llm_general_metrics{general_type="iteration_counter"}'] - \
         before['nv_trt_llm_general_metrics{general_type="iteration_counter"}']
     assert generated < LONG / 3 and steps < LONG / 3, (generated, steps)
+
+
+def test_serving_benchmark_targets_llmapi(server, llm):
+    """benchmarks/serving.py --backend llmapi: streamed requests of exactly max_tokens (ignore_eos)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks" / "serving.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tok = llm.get_tokenizer()
+    requests = bench.make_requests(tok, 6, 16, 8, max_input=128, max_seq=1024, seed=0)
+    results, duration = asyncio.run(bench.run_load(server.url, "tensorrt_llm", requests, 3, float("inf"), None, True,
+                                                    tok, 0, backend="llmapi"))
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.output_len for r in results] == [out for _, out in requests]
+    assert bench.summarize(results, duration)["output_throughput"] > 0
+    # ignore_eos: the request runs to max_tokens past the end token
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        r = http.post("/v2/models/tensorrt_llm/generate", json={
+            "text_input": PROMPTS[0], "sampling_param_max_tokens": 40, "sampling_param_ignore_eos": True,
+            "return_finish_reason": True})
+    assert r.json()["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("body, message", [

@@ -27,8 +27,10 @@ KV_CACHE_KEYS = {"free_gpu_memory_fraction": "kv_cache_free_mem_fraction", "enab
 POLICIES = {"GUARANTEED_NO_EVICT": "guaranteed_no_evict", "MAX_UTILIZATION": "max_utilization"}
 TRITON_KEYS = ("max_batch_size", "decoupled", "cancellation_check_period_ms")
 BACKENDS = (None, "kiln", "trt", "tensorrt")  # all mean: run the compiled engine `model` names
+# TensorRT-LLM's inputs, and ignore_eos (a field of the LLM API's SamplingParams the layout leaves out:
+# benchmarks need outputs of a fixed length)
 SAMPLING = ("best_of", "temperature", "top_k", "top_p", "frequency_penalty", "presence_penalty", "max_tokens", "seed",
-            "exclude_input_from_output", "return_perf_metrics", "stop")
+            "exclude_input_from_output", "return_perf_metrics", "stop", "ignore_eos")
 OUTPUT_FLAGS = ("return_finish_reason", "return_stop_reason", "return_cumulative_logprob")
 FINISH_REASONS = {"abort": "cancelled"}  # Kiln's -> the LLM API's; "stop" and "length" are the same
 
@@ -160,7 +162,7 @@ def parse_request(tensors: dict, decoupled: bool) -> LLMAPIRequest:
         params = SamplingParams(
             **sampling_fields(sp["top_k"], sp["top_p"], sp["temperature"]), max_tokens=max_tokens, seed=sp["seed"],
             presence_penalty=sp["presence_penalty"] or 0.0, frequency_penalty=sp["frequency_penalty"] or 0.0,
-            stop=[s for s in stop if s], logprobs=0 if flags["return_cumulative_logprob"] else None)
+            stop=[s for s in stop if s], ignore_eos=bool(sp["ignore_eos"]), logprobs=0 if flags["return_cumulative_logprob"] else None)
     except ValueError as e:
         raise RequestError(f"sampling_param_{e}" if str(e).split(" ")[0] in SAMPLING else str(e)) from None
     return LLMAPIRequest(prompt, params, streaming, bool(sp["exclude_input_from_output"]),

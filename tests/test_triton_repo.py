@@ -206,3 +206,17 @@ def test_triton_grace_period_covers_the_drain(manifests):
     assert {p["targetPort"] for p in svc["ports"]} == {p["name"] for p in server["ports"]}
     dockerfile = (ROOT / "deploy" / "triton" / "Dockerfile").read_text()
     assert "FROM nvcr.io/nvidia/tritonserver:" in dockerfile and "'.[triton]'" in dockerfile
+
+
+def test_a_stub_that_cannot_start_its_interpreter_is_named_in_one_line():
+    """kiln triton-serve relays tritonserver's output and says what an interpreter mismatch (a
+    virtualenv's stdlib in the system's libpython) is and what to do, once."""
+    import io
+
+    from kiln.triton_backend.server import relay_output
+
+    error = ("I1202 pb_stub.cc:366]  Failed to initialize Python stub: ImportError: /root/.pyenv/versions/3.11.7/lib/"
+             "python3.11/lib-dynload/_ssl.cpython-311-x86_64-linux-gnu.so: undefined symbol: _PyModule_Add\n")
+    said = []
+    relay_output(io.StringIO("starting\n" + error * 3), {"PATH": "/usr/bin"}, said.append)
+    assert len(said) == 1 and "could not start its interpreter" in said[0] and "/usr/bin/python3" in said[0]

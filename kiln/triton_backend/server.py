@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -120,7 +121,10 @@ def serve(repo, address: str, http_port: int, grpc_port: int, metrics_port: int,
           extra: tuple[str, ...] = (), ready_timeout: float = 600, log=print) -> int:
     """Start tritonserver, wait until it is ready, forward SIGINT/SIGTERM to it; its exit status."""
     cmd, env = command(repo, address, http_port, grpc_port, metrics_port, exit_timeout, extra)
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace")
+    relay = threading.Thread(target=relay_output, args=(proc.stdout, env, log), name="kiln-triton-log", daemon=True)
+    relay.start()
     forwarded = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         forwarded[sig] = signal.signal(sig, lambda s, _: proc.send_signal(s))
@@ -135,6 +139,7 @@ def serve(repo, address: str, http_port: int, grpc_port: int, metrics_port: int,
         else:
             log(f"tritonserver exited with status {proc.returncode} before it was ready")
         code = proc.wait()
+        relay.join(timeout=10)
     finally:
         for sig, handler in forwarded.items():
             signal.signal(sig, handler)
@@ -155,3 +160,20 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> bool:
             pass
         time.sleep(0.5)
     return False
+
+
+def relay_output(stream, env: dict, log) -> None:
+    """tritonserver's output to ours, line by line; a stub that cannot start because its interpreter
+    is another build's gets one line saying so and what to do."""
+    hinted = False
+    for line in stream:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        if not hinted and "undefined symbol" in line and ("lib-dynload" in line or "Python stub" in line):
+            hinted = True
+            python = shutil.which("python3", path=env.get("PATH")) or "none"
+            log(f"kiln triton-serve: a Python-backend stub could not start its interpreter: it embeds the "
+                f"system's libpython{sys.version_info.major}.{sys.version_info.minor} and took its standard library "
+                f"from the first python3 on PATH ({python} -> {os.path.realpath(python)}), another build's; put a "
+                "python3 of that libpython's prefix first on PATH (e.g. a folder with python3 -> /usr/bin/python3."
+                f"{sys.version_info.minor}), or deactivate the virtualenv or conda environment")

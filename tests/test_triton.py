@@ -5,8 +5,10 @@ equal `LLM.generate`; 32 concurrent streams share the in-flight batch; cancellat
 three routes frees the request's KV blocks; bad input gets an error naming it and the server keeps
 serving; the dashboards' and alert rules' metric names exist on the real /metrics of tritonserver
 and kiln serve; benchmarks/serving.py targets Triton; a repeated prompt reuses its cached KV blocks;
-a non-decoupled repository (reuse off) answers once per request; SIGTERM drains (the last test: it
-stops the server). What needs no server is in tests/test_triton_repo.py."""
+a non-decoupled repository (reuse off) answers once per request; logits and token counts come as
+TensorRT-LLM returns them, streamed or not, and the encoder-decoder tensors its scripts send are
+empty; SIGTERM drains (the last test: it stops the server). What needs no server is in
+tests/test_triton_repo.py; the clients are in tests/triton_client.py."""
 import asyncio
 import json
 import re

@@ -10,8 +10,8 @@ prompts cut from Python's standard library source (what the default model was tr
 random draws token ids instead, for a model whose tokenizer the source means nothing to), sent as
 token ids (--text_prompts sends text) with `ignore_eos` so that each request generates its length
 (Triton: text, with `end_id` -1, or llmapi's `sampling_param_ignore_eos`, which generate exactly
-`max_tokens`: the output length counted is the one asked for). Load is fixed concurrency (--concurrency, a sweep: one run per value) or a
-Poisson --request_rate.
+`max_tokens`: the output length counted is the one asked for). Load is fixed concurrency
+(--concurrency, a sweep: one run per value) or a Poisson --request_rate.
 
 --shared_prefix_len N gives every prompt the same N-token system prompt before its own user turn
 (chat and agent traffic), and --prefix_caching on off runs each server twice, with and without
@@ -373,17 +373,23 @@ def plot(runs: list[dict], hf: dict | None, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------- server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (held together while bound, so that none is handed out twice)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def start_server(engine_dir: str, threads: int | None, log: Path, backend: str = "openai",
                  prefix_caching: bool = True) -> tuple[subprocess.Popen, str]:
     """`kiln serve` (openai), or `kiln triton-repo` + `kiln triton-serve` (triton, llmapi), on the engine."""
     kiln = str(Path(sys.executable).parent / "kiln")
-    port = free_port()
+    port, grpc_port, metrics_port = free_ports(3)
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     log.parent.mkdir(parents=True, exist_ok=True)
     if backend == "openai":
@@ -400,7 +406,7 @@ def start_server(engine_dir: str, threads: int | None, log: Path, backend: str =
                         "--param", f"enable_kv_cache_reuse={str(prefix_caching).lower()}"],
                        check=True)
         cmd = [kiln, "triton-serve", "--model_repo", str(repo), "--address", "127.0.0.1", "--http-port", str(port),
-               "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
+               "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
         health = "/v2/health/ready"
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

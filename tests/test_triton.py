@@ -28,7 +28,7 @@ from kiln import LLM, SamplingParams
 from kiln.cli import cli
 from kiln.runtime.frontend.detokenizer import IncrementalDetokenizer
 from tiny_models import PROMPTS
-from triton_client import (Stream, Triton, engine_inputs, free_port, grpc_inputs, idle, kv, ready, sse,
+from triton_client import (Stream, Triton, engine_inputs, free_port, free_ports, grpc_inputs, idle, kv, ready, sse,
                            wait_for)
 
 ROOT = Path(__file__).parent.parent
@@ -168,7 +168,8 @@ def test_non_streaming_outputs_logits_and_perf_metrics(server, llm):
     c = ref.outputs[0]
     assert r.as_numpy("output_ids")[0, 0].tolist() == c.token_ids
     assert r.as_numpy("sequence_length")[0, 0] == len(c.token_ids)
-    assert r.as_numpy("num_input_tokens")[0, 0] == len(prompt) and r.as_numpy("num_output_tokens")[0, 0] == len(c.token_ids)
+    assert r.as_numpy("num_input_tokens")[0, 0] == len(prompt)
+    assert r.as_numpy("num_output_tokens")[0, 0] == len(c.token_ids)
     assert r.as_numpy("output_log_probs")[0, 0] == pytest.approx([lp[t] for t, lp in zip(c.token_ids, c.logprobs)],
                                                                  abs=1e-5)
     np.testing.assert_allclose(r.as_numpy("context_logits")[0], ref.context_logits.numpy(), atol=1e-5)
@@ -475,7 +476,7 @@ def test_models_check_their_parameters_at_load(repo, tmp_path):
     config = bad / "tensorrt_llm" / "config.pbtxt"
     config.write_text(re.sub(r'(key: "stats_check_period_ms"\s*value: \{ string_value: )"\d+"', r'\1"often"',
                              config.read_text()))
-    cmd, env = command(bad, "127.0.0.1", free_port(), free_port(), free_port(), 5)
+    cmd, env = command(bad, "127.0.0.1", *free_ports(3), 5)
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "tensorrt_llm: parameter stats_check_period_ms: expected an integer >= 1, got 'often'" in result.stderr

@@ -196,7 +196,8 @@ def test_model_yaml_keys_are_checked(engine_dir, tmp_path):
     for change, message in [({"tensor_parallel_size": 2}, "tensor_parallel_size 2: the engine was built for 1"),
                             ({"backend": "pytorch"}, "backend 'pytorch'"),
                             ({"max_seq_len": 9}, "unknown key(s) 'max_seq_len'"),
-                            ({"scheduler_config": {"capacity_scheduler_policy": "STATIC"}}, "capacity_scheduler_policy"),
+                            ({"scheduler_config": {"capacity_scheduler_policy": "STATIC"}},
+                             "capacity_scheduler_policy"),
                             ({"kv_cache_config": {"dtype": "fp8"}}, "kv_cache_config takes"),
                             ({"model": str(tmp_path)}, "model "),
                             ({"triton_config": {"decoupled": "yes"}}, "triton_config.decoupled must be true or false")]:

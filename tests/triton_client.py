@@ -16,10 +16,21 @@ import httpx
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: the sockets are held together, so that no two calls of bind(0) hand
+    out the same one (tritonserver refuses HTTP and metrics on one port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def wait_for(predicate, timeout: float = 60, what: str = "condition"):
@@ -37,7 +48,7 @@ class Triton:
     virtualenv's bin/activate (its bin first on PATH), as users run it."""
 
     def __init__(self, repo: Path, log: Path, activated: bool = True):
-        self.http, self.grpc, self.metrics_port = free_port(), free_port(), free_port()
+        self.http, self.grpc, self.metrics_port = free_ports(3)
         self.url = f"http://127.0.0.1:{self.http}"
         self.log = log
         bin_dir = Path(sys.executable).parent

@@ -17,7 +17,8 @@ TO_ENGINE = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": 
              "frequency_penalty": "frequency_penalty", "seed": "seed", "num_return_sequences": "num_return_sequences",
              "return_log_probs": "return_log_probs", "return_context_logits": "return_context_logits",
              "return_generation_logits": "return_generation_logits", "return_perf_metrics": "return_perf_metrics",
-             "return_num_input_tokens": "return_num_input_tokens", "return_num_output_tokens": "return_num_output_tokens",
+             "return_num_input_tokens": "return_num_input_tokens",
+             "return_num_output_tokens": "return_num_output_tokens",
              "exclude_input_in_output": "exclude_input_in_output", "beam_width": "beam_width", "stream": "streaming",
              **{name: name for name in ("prompt_embedding_table", "prompt_vocab_size", "lora_task_id", "lora_weights",
                                         "lora_config", "guided_decoding_guide_type", "guided_decoding_guide")}}

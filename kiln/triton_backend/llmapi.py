@@ -42,7 +42,7 @@ class Job:
 
 class TritonPythonModel:
     def initialize(self, args):
-        from kiln.runtime.frontend.async_llm import AsyncLLM  # here: Triton may import this module just to read its config
+        from kiln.runtime.frontend.async_llm import AsyncLLM  # here: importing this module stays cheap
 
         config = json.loads(args["model_config"])
         path = model_yaml(Path(args["model_repository"]) / args["model_version"])

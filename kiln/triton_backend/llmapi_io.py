@@ -22,8 +22,8 @@ DEFAULT_MAX_TOKENS = 32  # the LLM API's SamplingParams default
 # model.yaml's keys (the LLM API's names) -> AsyncLLM's arguments
 ENGINE_KEYS = {"max_batch_size": "max_batch_size", "max_num_tokens": "max_num_tokens",
                "enable_chunked_prefill": "enable_chunked_prefill"}
-KV_CACHE_KEYS = {"free_gpu_memory_fraction": "kv_cache_free_mem_fraction", "enable_block_reuse": "enable_prefix_caching",
-                 "max_tokens": "max_tokens_in_paged_kv_cache"}
+KV_CACHE_KEYS = {"free_gpu_memory_fraction": "kv_cache_free_mem_fraction",
+                 "enable_block_reuse": "enable_prefix_caching", "max_tokens": "max_tokens_in_paged_kv_cache"}
 POLICIES = {"GUARANTEED_NO_EVICT": "guaranteed_no_evict", "MAX_UTILIZATION": "max_utilization"}
 TRITON_KEYS = ("max_batch_size", "decoupled", "cancellation_check_period_ms")
 BACKENDS = (None, "kiln", "trt", "tensorrt")  # all mean: run the compiled engine `model` names
@@ -162,7 +162,8 @@ def parse_request(tensors: dict, decoupled: bool) -> LLMAPIRequest:
         params = SamplingParams(
             **sampling_fields(sp["top_k"], sp["top_p"], sp["temperature"]), max_tokens=max_tokens, seed=sp["seed"],
             presence_penalty=sp["presence_penalty"] or 0.0, frequency_penalty=sp["frequency_penalty"] or 0.0,
-            stop=[s for s in stop if s], ignore_eos=bool(sp["ignore_eos"]), logprobs=0 if flags["return_cumulative_logprob"] else None)
+            stop=[s for s in stop if s], ignore_eos=bool(sp["ignore_eos"]),
+            logprobs=0 if flags["return_cumulative_logprob"] else None)
     except ValueError as e:
         raise RequestError(f"sampling_param_{e}" if str(e).split(" ")[0] in SAMPLING else str(e)) from None
     return LLMAPIRequest(prompt, params, streaming, bool(sp["exclude_input_from_output"]),

@@ -113,7 +113,9 @@ def test_generate_stream_streams_token_by_token(http, llm, model):
         events = sse(http, model, {"text_input": prompt, "max_tokens": 24, "stream": True})
         chunks = [e["text_output"] for e in events]
         assert "".join(chunks) == ref.text
-        assert len(chunks) == text_steps(llm.get_tokenizer(), out.prompt_token_ids, ref.token_ids) > 12
+        # a response per token that adds text, unless the stream fell behind: then one for the steps it missed
+        steps = text_steps(llm.get_tokenizer(), out.prompt_token_ids, ref.token_ids)
+        assert steps > 12 and steps // 2 < len(chunks) <= steps
 
 
 def test_grpc_streaming_gets_the_same_tokens_and_logprobs(server, llm):

@@ -52,7 +52,8 @@ class AsyncLLM:
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields a RequestOutput (cumulative text and tokens) each step the request advances.
+        """Yields a RequestOutput (cumulative text and tokens) each step the request advances (the
+        latest, when several steps went by since the caller last asked).
         Closing the iterator early (or cancelling its task) aborts the request."""
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
         queue: asyncio.Queue = asyncio.Queue()
@@ -69,6 +70,10 @@ class AsyncLLM:
             self.client.add_request(core_request)
             while not finished:
                 out = await queue.get()
+                # A caller that fell behind gets the latest output (each is cumulative): one response
+                # for the steps it missed rather than a backlog, as vLLM's output collector merges them
+                while not queue.empty() and not isinstance(out, BaseException) and not out.finished:
+                    out = queue.get_nowait()
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished

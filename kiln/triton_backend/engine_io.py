@@ -225,7 +225,7 @@ class Tracker:
             t["cum_log_probs"] = one(c.cumulative_logprob, np.float32)
             t["output_log_probs"] = np.array([[lps]], np.float32).reshape(1, 1, len(lps))
         if c.generation_logits is not None:
-            t["generation_logits"] = self._generation_logits(c.generation_logits[start:end], out)
+            t["generation_logits"] = self._generation_logits(c.generation_logits[start:end])
         if out.context_logits is not None:
             t["context_logits"] = out.context_logits.numpy()[None]
         if row.num_input_tokens:
@@ -236,7 +236,7 @@ class Tracker:
             t.update(perf_metrics(out, c, self.tokens_per_block))
         return t
 
-    def _generation_logits(self, rows: list, out: RequestOutput) -> np.ndarray:
+    def _generation_logits(self, rows: list) -> np.ndarray:
         vocab = rows[0].shape[0] if rows else self.vocab_size
         logits = np.stack([r.numpy() for r in rows]) if rows else np.zeros((0, vocab), np.float32)
         if self.row.streaming:  # token before beam, as TensorRT-LLM streams them

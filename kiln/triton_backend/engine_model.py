@@ -9,16 +9,14 @@ streams, which aborts them in the engine; a request with `stop` true aborts the 
 under its request id, which then end with the tokens they have."""
 import asyncio
 import contextlib
-import itertools
 import json
-import threading
-import time
 from dataclasses import dataclass, field
 
 import triton_python_backend_utils as pb_utils
 
 from kiln.config import EngineConfig
 from kiln.triton_backend import parameters
+from kiln.triton_backend.engine_host import EngineHost
 from kiln.triton_backend.engine_io import RequestError, Row, Tracker, merge, parse_request
 from kiln.triton_backend.metrics import EngineMetrics
 
@@ -43,7 +41,7 @@ class Job:
     done: bool = False
 
 
-class TritonPythonModel:
+class TritonPythonModel(EngineHost):
     def initialize(self, args):
         from kiln.runtime.frontend.async_llm import AsyncLLM  # here: Triton may import this module just to read its config
 
@@ -55,7 +53,6 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.exclude_input = p["exclude_input_in_output"]
         self.cancel_period = p["cancellation_check_period_ms"] / 1000
-        self.stats_period = p["stats_check_period_ms"] / 1000
         engine = EngineConfig.load(p["gpt_model_path"])
         self.vocab_size = engine.pretrained_config.vocab_size
         self.tokens_per_block = engine.build_config.tokens_per_block
@@ -65,16 +62,9 @@ class TritonPythonModel:
                             kv_cache_free_mem_fraction=p["kv_cache_free_gpu_mem_fraction"],
                             max_tokens_in_paged_kv_cache=p["max_tokens_in_paged_kv_cache"])
         self.tokenizer = self.llm.tokenizer
-        self.metrics = EngineMetrics(args["model_name"], args["model_version"], engine.build_config.max_batch_size,
-                                     self.tokens_per_block)
-        self.jobs: dict[int, Job] = {}
-        self.ids = itertools.count()
-        self.running = True
-        self.loop = asyncio.new_event_loop()
-        self.loop_thread = threading.Thread(target=self._run_loop, name="kiln-triton-loop", daemon=True)
-        self.loop_thread.start()
-        self.stats_thread = threading.Thread(target=self._stats_loop, name="kiln-triton-stats", daemon=True)
-        self.stats_thread.start()
+        self.start(self.llm, EngineMetrics(args["model_name"], args["model_version"],
+                                           engine.build_config.max_batch_size, self.tokens_per_block),
+                   p["stats_check_period_ms"] / 1000, "kiln-triton")
 
     # -- Triton's calls ------------------------------------------------------------------------
     def execute(self, requests):
@@ -85,20 +75,7 @@ class TritonPythonModel:
             asyncio.run_coroutine_threadsafe(self._serve(*args), self.loop)
         return None
 
-    def finalize(self):
-        self.running = False
-        asyncio.run_coroutine_threadsafe(self._cancel_all(), self.loop).result(timeout=30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.loop_thread.join(timeout=30)
-        self.stats_thread.join(timeout=30)
-        self.llm.shutdown()
-
     # -- the loop ------------------------------------------------------------------------------
-    def _run_loop(self):
-        asyncio.set_event_loop(self.loop)
-        self.watcher = self.loop.create_task(self._watch_cancellations())
-        self.loop.run_forever()
-
     async def _serve(self, triton_id: str, sender, wanted: set, tensors: dict) -> None:
         try:
             stop, rows = parse_request(tensors, decoupled=self.decoupled, exclude_input_default=self.exclude_input,
@@ -183,17 +160,12 @@ class TritonPythonModel:
                 await asyncio.get_running_loop().run_in_executor(None, self.llm.abort, rid)
         sender.send(pb_utils.InferenceResponse(), flags=FINAL)  # an empty answer, as TensorRT-LLM's
 
-    async def _watch_cancellations(self) -> None:
+    async def _watch(self) -> None:
         while self.running:
             await asyncio.sleep(self.cancel_period)
             for job in list(self.jobs.values()):
                 if not job.done and job.sender.is_cancelled():
                     self._cancel(job)
-
-    def _count(self, out) -> None:
-        m = out.metrics
-        self.metrics.finished(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
-                              m.time_to_first_token if m else None)
 
     def _cancel(self, job: Job) -> None:
         for task, tracker in zip(job.tasks, job.trackers):
@@ -211,11 +183,3 @@ class TritonPythonModel:
         self.watcher.cancel()
         for job in list(self.jobs.values()):
             self._cancel(job)
-
-    def _stats_loop(self) -> None:
-        while self.running:
-            time.sleep(self.stats_period)
-            try:
-                self.metrics.update(self.llm.stats(), time.time())
-            except Exception as e:  # noqa: BLE001 - metrics must never take the model down
-                pb_utils.Logger.log_warn(f"tensorrt_llm: metrics update failed: {e}")

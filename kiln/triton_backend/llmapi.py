@@ -7,23 +7,21 @@ Cancellation, as TensorRT-LLM's llmapi model: a request Triton has cancelled (a 
 a closed HTTP connection) or one stopped by a `stop` request under its request id is aborted in the
 engine and answered with a CANCELLED error."""
 import asyncio
-import itertools
 import json
 import os
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 from kiln.config import EngineConfig
+from kiln.triton_backend.engine_host import EngineHost
 from kiln.triton_backend.engine_io import RequestError
 from kiln.triton_backend.llmapi_io import ModelYamlError, parse_request, read_model_yaml, response_tensors
 from kiln.triton_backend.metrics import EngineMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-STATS_PERIOD = 0.1  # seconds between updates of the engine's metrics
+STATS_PERIOD = 0.1  # seconds between metrics updates (the layout has no parameter for it)
 
 
 def model_yaml(model_dir) -> Path:
@@ -40,7 +38,7 @@ class Job:
     done: bool = False
 
 
-class TritonPythonModel:
+class TritonPythonModel(EngineHost):
     def initialize(self, args):
         from kiln.runtime.frontend.async_llm import AsyncLLM  # here: importing this module stays cheap
 
@@ -63,16 +61,9 @@ class TritonPythonModel:
         engine = EngineConfig.load(cfg.engine_dir)
         self.tokens_per_block = engine.build_config.tokens_per_block
         self.llm = AsyncLLM(cfg.engine_dir, tokenizer=cfg.tokenizer, **cfg.engine_args)
-        self.metrics = EngineMetrics(args["model_name"], args["model_version"], engine.build_config.max_batch_size,
-                                     self.tokens_per_block)
-        self.jobs: dict[int, Job] = {}
-        self.ids = itertools.count()
-        self.running = True
-        self.loop = asyncio.new_event_loop()
-        self.loop_thread = threading.Thread(target=self._run_loop, name="kiln-llmapi-loop", daemon=True)
-        self.loop_thread.start()
-        self.stats_thread = threading.Thread(target=self._stats_loop, name="kiln-llmapi-stats", daemon=True)
-        self.stats_thread.start()
+        self.start(self.llm, EngineMetrics(args["model_name"], args["model_version"],
+                                           engine.build_config.max_batch_size, self.tokens_per_block),
+                   STATS_PERIOD, "kiln-llmapi")
 
     def execute(self, requests):
         for request in requests:
@@ -80,19 +71,6 @@ class TritonPythonModel:
             asyncio.run_coroutine_threadsafe(
                 self._serve(request.request_id(), request.get_response_sender(), tensors), self.loop)
         return None
-
-    def finalize(self):
-        self.running = False
-        asyncio.run_coroutine_threadsafe(self._cancel_all(), self.loop).result(timeout=30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.loop_thread.join(timeout=30)
-        self.stats_thread.join(timeout=30)
-        self.llm.shutdown()
-
-    def _run_loop(self):
-        asyncio.set_event_loop(self.loop)
-        self.watcher = self.loop.create_task(self._watch())
-        self.loop.run_forever()
 
     async def _serve(self, triton_id: str, sender, tensors: dict) -> None:
         if tensors.get("stop") is not None and tensors["stop"].reshape(-1)[:1].any():
@@ -161,16 +139,3 @@ class TritonPythonModel:
         self.watcher.cancel()
         for job in list(self.jobs.values()):
             self._cancelled(job)
-
-    def _count(self, out) -> None:
-        m = out.metrics
-        self.metrics.finished(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
-                              m.time_to_first_token if m else None)
-
-    def _stats_loop(self) -> None:
-        while self.running:
-            time.sleep(STATS_PERIOD)
-            try:
-                self.metrics.update(self.llm.stats(), time.time())
-            except Exception as e:  # noqa: BLE001 - metrics must never take the model down
-                pb_utils.Logger.log_warn(f"tensorrt_llm: metrics update failed: {e}")

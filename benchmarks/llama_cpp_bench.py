@@ -96,6 +96,11 @@ def gguf_files(hf_dir: Path, work: Path, types=("bf16", "q8_0", "q4_0")) -> dict
     return out
 
 
+def exported(hf_dir: Path, work: Path, python: str) -> dict[str, Path]:
+    """throughput.py's name for gguf_files (the converter runs in this interpreter, from the sdist)."""
+    return gguf_files(hf_dir, work)
+
+
 class LlamaCpp:
     """One GGUF model in a llama.cpp context sized for `max_batch` sequences of `max_len` tokens."""
 

@@ -1,4 +1,5 @@
-"""Offline generation throughput: Kiln against HF transformers `generate` (and llama.cpp) on the same weights, same run.
+"""Offline generation throughput: Kiln against HF transformers `generate` (and llama.cpp, OpenVINO GenAI, ONNX
+Runtime GenAI) on the same weights, same run.
 
 By default it makes a random-weight model of SmolLM-135M's shape (hidden 576, 30 layers, 9 heads,
 3 KV heads, intermediate 1536, vocab 49152, tied embeddings), converts and builds it, then measures
@@ -11,8 +12,10 @@ timed Kiln call gets prompts of its own: a prompt seen before would be served by
 It prints the CPU and its ISA flags first.
 
 --formats adds Kiln's weight-only int8 / int4 engines of the same weights (RTN, --group_size);
---llama_cpp measures llama.cpp at bf16, q8_0 and q4_0 on the same weights (benchmarks/llama_cpp_bench.py
-says how to install it); one table then lists them all, a row per format.
+--llama_cpp measures llama.cpp at bf16, q8_0 and q4_0 on the same weights, --openvino OpenVINO GenAI at fp16,
+int8 and int4 (sym, group 64), --ort_genai ONNX Runtime GenAI at int4 and int8 (their modules beside this
+say how to install them; --peer_python names the venv of the exporters); one table then lists them all,
+a row per runtime and format.
 
 With --tp N / --pp M (or --parallel TPxPP ...) it also builds those multi-rank engines of each format
 and measures each against its single-rank engine in the same run (every engine's decode timed from the
@@ -23,6 +26,7 @@ must divide the KV heads: 3 for SmolLM-135M, 8 for llama-1b).
 
   python benchmarks/throughput.py --batch 1 16 --output_len 128 --json out.json
   python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --llama_cpp --int8_activations --batch 1 16
+  python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --openvino --ort_genai --peer_python bench_out/peers/bin/python
   python benchmarks/throughput.py --tp 3 --pp 2 --long_context 0
   python benchmarks/throughput.py --shape llama-1b --tp 2 --build_only
 """
@@ -202,19 +206,31 @@ def mixed_step(engine, vocab, prefill_len=512, num_decodes=15, input_len=128, re
     return median(mixed), median(prefill), median(decode)
 
 
-def llama_cpp_results(hf_dir, work, args, vocab):
-    import llama_cpp_bench as lcb
+# --flag: (the name its rows print, its module beside this file: exported(hf_dir, work, python) and the class)
+PEERS = {"llama_cpp": ("llama.cpp", "llama_cpp_bench", "LlamaCpp"),
+         "openvino": ("OpenVINO GenAI", "openvino_bench", "OpenVino"),
+         "ort_genai": ("ORT GenAI", "ort_genai_bench", "OrtGenai")}
 
+
+def peer_results(flag, hf_dir, work, args, vocab):
+    """{kind: {"decode": {batch: tokens/s}, "prefill": tokens/s}} of one peer runtime on hf_dir's weights."""
+    import importlib
+
+    _, module, cls = PEERS[flag]
+    module = importlib.import_module(module)
+    models = module.exported(hf_dir, work / flag, args.peer_python)
     out = {}
     longest = max(args.input_len + args.output_len, args.prefill_len) + 8
-    for kind, path in lcb.gguf_files(hf_dir, work / "llama_cpp").items():
-        model = lcb.LlamaCpp(path, torch.get_num_threads(), max(args.batch), longest)
-        decode = {b: max(model.decode(prompts(b, args.input_len, vocab), args.output_len - 1)
+    for kind, path in models.items():
+        model = getattr(module, cls)(path, torch.get_num_threads(), max(args.batch), longest)
+        seeds = itertools.count(1)
+        decode = {b: max(model.decode(prompts(b, args.input_len, vocab, seed=next(seeds)), args.output_len - 1)
                          for _ in range(args.repeats)) for b in args.batch}
-        pre = args.prefill_len / min(model.prefill(prompts(1, args.prefill_len, vocab, seed=1)[0]) for _ in range(3))
+        pre = args.prefill_len / min(model.prefill(prompts(1, args.prefill_len, vocab, seed=next(seeds))[0])
+                                     for _ in range(3))
         model.close()
         out[kind] = {"decode": decode, "prefill": pre}
-        print(f"llama.cpp {kind}: {out[kind]}", file=sys.stderr)
+        print(f"{PEERS[flag][0]} {kind}: {out[kind]}", file=sys.stderr)
     return out
 
 
@@ -267,6 +283,12 @@ def main():
     ap.add_argument("--skip_hf", action="store_true")
     ap.add_argument("--llama_cpp", action="store_true",
                     help="also measure llama.cpp (llama-cpp-python built from source) at bf16, q8_0, q4_0")
+    ap.add_argument("--openvino", action="store_true",
+                    help="also measure OpenVINO GenAI at fp16, int8, int4 (benchmarks/openvino_bench.py)")
+    ap.add_argument("--ort_genai", action="store_true",
+                    help="also measure ONNX Runtime GenAI at int4, int8 (benchmarks/ort_genai_bench.py)")
+    ap.add_argument("--peer_python", default=sys.executable,
+                    help="the Python whose venv has the peers' exporters (optimum-intel, onnxruntime-genai's builder)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
 
@@ -278,7 +300,7 @@ def main():
     from kiln.convert.cli import convert_checkpoint
     from kiln.convert.quantize.pipeline import QuantOptions
 
-    sys.path.insert(0, str(Path(__file__).parent))  # roofline, all_reduce, llama_cpp_bench
+    sys.path.insert(0, str(Path(__file__).parent))  # roofline, all_reduce and the peers' modules
     print(cpu_summary())
     print(f"load average at the start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     parallel = list(dict.fromkeys(args.parallel + ([(args.tp, 1)] if args.tp else []) + ([(1, args.pp)] if args.pp else [])))
@@ -398,8 +420,9 @@ def main():
             measure(other, key)["load_seconds"] = time.perf_counter() - start
             other.llm_engine.shutdown()
             del other
-    if args.llama_cpp:
-        results["llama_cpp"] = llama_cpp_results(hf_dir, work, args, vocab)
+    for flag in PEERS:
+        if getattr(args, flag):
+            results[flag] = peer_results(flag, hf_dir, work, args, vocab)
     if any(tp > 1 for tp, _ in parallel):
         import all_reduce
 
@@ -436,12 +459,12 @@ def main():
         r = results["roofline"]
         print(f"roofline: {r['gb_s']:.1f} GB/s; batch-{min(args.batch)} decode moves {r['batch1_gb_s']:.1f} GB/s "
               f"= {r['batch1_gb_s'] / r['gb_s']:.0%}")
-    if len(args.formats) > 1 or "llama_cpp" in results:
+    if len(args.formats) > 1 or any(flag in results for flag in PEERS):
         print(f"\ntokens/s, {results['threads']} threads | " + " | ".join(f"decode b{b}" for b in args.batch)
               + f" | prefill {args.prefill_len}")
         rows = [(f"Kiln {name(fmt)}" + (" (int8 activations)" if args.int8_activations and quantized(fmt) else ""),
                  results["kiln"][fmt]["1x1"]) for fmt in args.formats]
-        rows += [(f"llama.cpp {kind}", r) for kind, r in results.get("llama_cpp", {}).items()]
+        rows += [(f"{label} {kind}", r) for flag, (label, *_) in PEERS.items() for kind, r in results.get(flag, {}).items()]
         if results["prefill"].get(args.prefill_len, {}).get("hf"):
             rows.append((f"HF {args.dtype}", {"decode": {b: r["hf"] for b, r in results["decode"].items()},
                                               "prefill": results["prefill"][args.prefill_len]["hf"]}))

@@ -182,7 +182,7 @@ class MachineLoad:
 def _time_us(layer, m: int, kernels: list[int], x_dtype: torch.dtype, budget_s: float = 0.05,
              spread: dict | None = None) -> dict[int, float]:
     """Microseconds per call of layer's GEMM at m tokens on each kernel: the fastest single call of
-    rounds that take the kernels in turn. A shared machine's noise (a descheduled thread, another
+    rounds that take the plugin's kernels in turn (ATen's in rounds of its own). A shared machine's noise (a descheduled thread, another
     process's cache traffic) only ever slows a call down, and taking turns keeps a slow minute from
     landing on one kernel. spread, if given, gets each kernel's median call over its fastest."""
     from kiln.plugins import gemm
@@ -195,14 +195,19 @@ def _time_us(layer, m: int, kernels: list[int], x_dtype: torch.dtype, budget_s: 
                   (1 << 62, kernel))
         return time.perf_counter() - start
 
-    for k in kernels:
-        call(k)  # warms it up
     calls = {k: [] for k in kernels}
-    start, rounds = time.perf_counter(), 0
-    while rounds < 3 or (rounds < 50 and time.perf_counter() - start < budget_s):
-        for k in kernels:
-            calls[k].append(call(k))
-        rounds += 1
+    # ATen's OpenMP threads spin for a while after each call, taking the cores from the plugin's
+    # pool: a plugin kernel timed right after ATen measured up to 5x slower (avx2_int8 at one
+    # token: 209 us against 47 us), enough to lose a bucket it wins. So ATen takes its own turns.
+    own = [k for k in kernels if k != ATEN]
+    for group in [g for g in (own, [k for k in kernels if k == ATEN]) if g]:
+        for k in group:
+            call(k)  # warms it up
+        start, rounds = time.perf_counter(), 0
+        while rounds < 3 or (rounds < 50 and time.perf_counter() - start < budget_s):
+            for k in group:
+                calls[k].append(call(k))
+            rounds += 1
     if spread is not None:
         spread.update({k: sorted(c)[len(c) // 2] / max(min(c), 1e-12) for k, c in calls.items()})
     return {k: min(c) * 1e6 for k, c in calls.items()}

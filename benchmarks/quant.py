@@ -95,9 +95,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=1,
                     help="time each engine this many times and keep the fastest (a shared machine's noise "
                          "only ever slows a run down)")
-    ap.add_argument("--int8_activations", action="store_true",
-                    help="build the int8/int4 engines with engine-build --int8_activations and report the "
-                         "engine perplexity with int8 activations at every token count beside the float one")
+    ap.add_argument("--int8_activations", action=argparse.BooleanOptionalAction, default=True,
+                    help="build the int8/int4 engines with engine-build's --int8_activations (its default) and report "
+                         "their perplexity with int8 activations and with float activations at every token count "
+                         "beside the engine's own mix (--no-int8_activations: W8A16/W4A16 engines, float only)")
     ap.add_argument("--ppl_chars", type=int, default=40000,
                     help="characters of the evaluation text scored through each engine (0: skip)")
     ap.add_argument("--timing_cache", help="engine-build --timing_cache FILE")
@@ -110,6 +111,7 @@ def main():
     from kiln.config import BuildConfig
     from kiln.convert.cli import convert_checkpoint
     from kiln.convert.quantize.pipeline import QuantOptions
+    from kiln.plugins import tactics
 
     bench = load_module(Path(__file__).parent / "throughput.py", "throughput")
     work = args.work_dir / (Path(args.model).name if args.model not in ("default", "smollm") else args.model)
@@ -165,16 +167,18 @@ def main():
         if args.ppl_chars:
             rows[-1]["engine_ppl"] = engine_perplexity(engine_dir, evaluation, args.ppl_chars)
             if args.int8_activations and qformat in ("int8_wo", "int4_wo", "int4_awq", "int4_gptq"):
-                rows[-1]["engine_ppl_int8_act"] = engine_perplexity(engine_dir, evaluation, args.ppl_chars,
-                                                                    int8_kernel_here())
+                for key, kernel in (("engine_ppl_int8_act", int8_kernel_here()), ("engine_ppl_float_act", "avx2")):
+                    if kernel == "avx2" and "avx2" not in tactics.cpu_features():
+                        kernel = "portable"
+                    rows[-1][key] = engine_perplexity(engine_dir, evaluation, args.ppl_chars, kernel)
         print(f"{run}: {rows[-1]}", file=sys.stderr)
         del llm, engine
 
     base = next((r for r in rows if r["run"] == "none"), rows[0])
     print(f"\n{args.model}, group size {args.group_size}, {torch.get_num_threads()} threads; ratios to {base['run']}")
     print("| format | engine MB | KV B/token | decode b1 tok/s | decode b16 tok/s | prefill tok/s | ppl vs bf16 | "
-          "engine ppl (float act) | engine ppl, int8 act | build s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "engine ppl | engine ppl, float act | engine ppl, int8 act | build s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def cell(key, fmt="{:.1f}"):
             return f"{fmt.format(r[key])} ({r[key] / base[key]:.2f}x)"
@@ -185,7 +189,7 @@ def main():
             return f"{r[key]:.3f} ({100 * (r[key] / base['engine_ppl'] - 1):+.2f}%)" if "engine_ppl" in base else f"{r[key]:.3f}"
         print(f"| {r['run']} | {cell('engine_mb')} | {cell('kv_bytes_per_token', '{:d}')} | {cell('decode_b1')} | "
               f"{cell('decode_b16')} | {cell('prefill')} | {ppl} | {ppl_cell('engine_ppl')} | "
-              f"{ppl_cell('engine_ppl_int8_act')} | {r['build_s'] or 0:.0f} |")
+              f"{ppl_cell('engine_ppl_float_act')} | {ppl_cell('engine_ppl_int8_act')} | {r['build_s'] or 0:.0f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -25,7 +25,7 @@ must divide the KV heads: 3 for SmolLM-135M, 8 for llama-1b).
 --shape llama-1b uses Llama-3.2-1B's shape instead of SmolLM-135M's, and --build_only stops after the builds.
 
   python benchmarks/throughput.py --batch 1 16 --output_len 128 --json out.json
-  python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --llama_cpp --int8_activations --batch 1 16
+  python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --llama_cpp --batch 1 16
   python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --openvino --ort_genai --peer_python bench_out/peers/bin/python
   python benchmarks/throughput.py --tp 3 --pp 2 --long_context 0
   python benchmarks/throughput.py --shape llama-1b --tp 2 --build_only
@@ -256,8 +256,9 @@ def main():
     ap.add_argument("--formats", nargs="+", default=["bf16"], choices=["bf16", "int8_wo", "int4_wo"],
                     help="Kiln engines to measure: bf16 is the --dtype one; int8_wo / int4_wo weight-only (RTN)")
     ap.add_argument("--group_size", type=int, default=32, help="int4 group size (32: llama.cpp's q4_0 block)")
-    ap.add_argument("--int8_activations", action="store_true",
-                    help="build the int8/int4 engines with engine-build --int8_activations")
+    ap.add_argument("--int8_activations", action=argparse.BooleanOptionalAction, default=True,
+                    help="build the int8/int4 engines with engine-build's --int8_activations (its default; "
+                         "--no-int8_activations: W8A16/W4A16)")
     ap.add_argument("--quantize_lm_head", action="store_true", help="engine-build --quantize_lm_head")
     ap.add_argument("--timing_cache", help="engine-build --timing_cache FILE")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the engines even if they exist")

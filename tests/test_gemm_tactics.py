@@ -110,15 +110,16 @@ def test_engines_move_between_instruction_sets(checkpoint, tmp_path):
 
 
 def test_int8_activations_and_quantized_lm_head(hf_model, tmp_path):
-    """An int4 (RTN) engine with int8 activations allowed and a quantized lm_head: recorded in the
-    config, a smaller engine, and the float-activation engine's tokens up to near ties."""
+    """An int4 (RTN) engine with int8 activations allowed (the default) and a quantized lm_head:
+    recorded in the config, a smaller engine, and the float-activation engine's tokens up to near ties."""
     from kiln.convert.cli import convert_checkpoint
     from kiln.convert.quantize.pipeline import QuantOptions
 
     ckpt = convert_checkpoint(hf_model("llama"), tmp_path / "ckpt", dtype="bfloat16",
                               quant=QuantOptions("int4_wo", None, 32, eval_size=0))
-    plain = _build(ckpt, tmp_path / "plain")
-    fast = _build(ckpt, tmp_path / "fast", int8_activations=True, quantize_lm_head=True)
+    assert BuildConfig().int8_activations
+    plain = _build(ckpt, tmp_path / "plain", int8_activations=False)
+    fast = _build(ckpt, tmp_path / "fast", quantize_lm_head=True)
     assert fast["int8_activations"] and fast["quantize_lm_head"] and not plain["int8_activations"]
     head = next(e for k, e in fast["gemm_tactics"].items() if "_f32out" in k)
     assert next(k for k in fast["gemm_tactics"] if "_f32out" in k).split("_")[2] == "uint8"  # int4 lm_head

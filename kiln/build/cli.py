@@ -39,10 +39,11 @@ BUILD_OPTIONS = [
     click.option("--timing_cache", default=None, type=click.Path(dir_okay=False),
                  help="JSON file of kernel timings, read and extended by the build: a rebuild on the same "
                       "machine, library and thread count reuses the measurements."),
-    click.option("--int8_activations/--no_int8_activations", default=False, show_default=True,
+    click.option("--int8_activations/--no_int8_activations", default=True, show_default=True,
                  help="Let int8/int4 weights' GEMMs quantize activations to int8 (one scale per 32 k) where "
-                      "that times faster, as llama.cpp does: faster small-batch decode, slightly different "
-                      "arithmetic (benchmarks/quant.py reports the perplexity cost). Off: W8A16/W4A16 as specified."),
+                      "that times faster, as llama.cpp and ORT GenAI do: faster small-batch decode, slightly "
+                      "different arithmetic (benchmarks/quant.py reports the perplexity cost). "
+                      "--no_int8_activations: W8A16/W4A16 as specified."),
     click.option("--quantize_lm_head/--no_quantize_lm_head", default=False, show_default=True,
                  help="Quantize the lm_head at build time (round to nearest): int4 with the checkpoint's group "
                       "size for int4 formats, else int8 per row. Needs --gemm_plugin cpp. A tied embedding then "

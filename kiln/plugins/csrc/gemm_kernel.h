@@ -456,80 +456,100 @@ void run(const GemmParams& p, int64_t begin, int64_t end, float* scratch) {
 
 // -- int8 activations ---------------------------------------------------------------------------
 
+// Panels a single row reads at once (int8_rows' NP).
+constexpr int kInt8Streams = 2;
+
 // Sum over the 4 bytes of each 32-bit lane of u8 a times s8 b, as int32 (no saturation for the
 // ranges used here: pairs of |a| <= 128, |b| <= 127).
 inline __m256i dot4(__m256i a, __m256i b) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 }
 
-// Rows row0 .. row0 + MR of one panel: per kActBlock k, int32 sums of 8 columns per register,
-// then acc += float(sum - comp) * scale, scale = x's block scale (times int4's group scale).
-template <int MR, bool kInt4>
+// Rows row0 .. row0 + MR of NP consecutive panels from `panel` on (w: the first one's weights):
+// per kActBlock k, int32 sums of 8 columns per register, then acc += float(sum - comp) * scale,
+// scale = x's block scale (times int4's group scale). NP > 1 reads the panels as NP streams at
+// once, for a single row, where one stream leaves DRAM bandwidth unused (see direct).
+template <int MR, bool kInt4, int NP = 1>
 void int8_rows(const GemmParams& p, const uint8_t* w, int64_t row0, int64_t panel) {
   const int64_t blocks = round_up(p.K, kActBlock) / kActBlock, ls = p.ldxq / kActBlock;
-  const int64_t stride = padded_columns(p);
+  const int64_t stride = padded_columns(p), panel_bytes = p.panel_rows * 4 * kPanel;
   // int8: a stored row is 4 k of 16 columns (64 bytes); int4: 8 k of 16 columns (64 bytes).
   constexpr int64_t kRowK = kInt4 ? kInt4K : kQuadK, kRowsPerBlock = kActBlock / kRowK;
-  __m256 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  __m256 acc[NP][MR][2];
+  for (int j = 0; j < NP; ++j)
+    for (int m = 0; m < MR; ++m) acc[j][m][0] = acc[j][m][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(static_cast<char>(0x88));
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    __m256i sum[MR][2];
-    for (int m = 0; m < MR; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
+    __m256i sum[NP][MR][2];
+    for (int j = 0; j < NP; ++j)
+      for (int m = 0; m < MR; ++m) sum[j][m][0] = sum[j][m][1] = _mm256_setzero_si256();
     for (int64_t rr = 0; rr < kRowsPerBlock; ++rr) {
       const int64_t r = blk * kRowsPerBlock + rr, k = r * kRowK;
-      const __m256i* row = reinterpret_cast<const __m256i*>(w + r * 4 * kPanel);
-      prefetch_ahead<64>(row, r);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(row + h);
-        if constexpr (kInt4) {
-          const __m256i u = _mm256_xor_si256(v, flip);  // q + 8, in [0, 15]
-          const __m256i lo = _mm256_and_si256(u, low), hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+        const __m256i* row = reinterpret_cast<const __m256i*>(w + j * panel_bytes + r * 4 * kPanel);
+        prefetch_ahead<64>(row, r);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(row + h);
+          if constexpr (kInt4) {
+            const __m256i u = _mm256_xor_si256(v, flip);  // q + 8, in [0, 15]
+            const __m256i lo = _mm256_and_si256(u, low), hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
 #pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m) {
-            const int8_t* xr = p.xq + (row0 + m) * p.ldxq + k;
-            int32_t x0, x1;
-            std::memcpy(&x0, xr, 4);
-            std::memcpy(&x1, xr + 4, 4);
-            // two s16 products of <= 2 * 15 * 127 each: their sum does not saturate
-            const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
-                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
-            sum[m][h] = _mm256_add_epi32(sum[m][h], _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
-          }
-        } else {
-          const __m256i mag = _mm256_abs_epi8(v);
+            for (int m = 0; m < MR; ++m) {
+              const int8_t* xr = p.xq + (row0 + m) * p.ldxq + k;
+              int32_t x0, x1;
+              std::memcpy(&x0, xr, 4);
+              std::memcpy(&x1, xr + 4, 4);
+              // two s16 products of <= 2 * 15 * 127 each: their sum does not saturate
+              const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+              sum[j][m][h] = _mm256_add_epi32(sum[j][m][h], _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+            }
+          } else {
+            const __m256i mag = _mm256_abs_epi8(v);
 #pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m) {
-            int32_t x0;
-            std::memcpy(&x0, p.xq + (row0 + m) * p.ldxq + k, 4);
-            sum[m][h] = _mm256_add_epi32(sum[m][h], dot4(mag, _mm256_sign_epi8(_mm256_set1_epi32(x0), v)));
+            for (int m = 0; m < MR; ++m) {
+              int32_t x0;
+              std::memcpy(&x0, p.xq + (row0 + m) * p.ldxq + k, 4);
+              sum[j][m][h] = _mm256_add_epi32(sum[j][m][h], dot4(mag, _mm256_sign_epi8(_mm256_set1_epi32(x0), v)));
+            }
           }
         }
       }
     }
-    __m256 g0 = _mm256_set1_ps(1.0f), g1 = g0;
-    if constexpr (kInt4) {
-      const float* gs = p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + panel * kPanel;
-      g0 = _mm256_loadu_ps(gs);
-      g1 = _mm256_loadu_ps(gs + 8);
-    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      __m256 g0 = _mm256_set1_ps(1.0f), g1 = g0;
+      if constexpr (kInt4) {
+        const float* gs = p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + (panel + j) * kPanel;
+        g0 = _mm256_loadu_ps(gs);
+        g1 = _mm256_loadu_ps(gs + 8);
+      }
 #pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const int64_t at = (row0 + m) * ls + blk;
-      const __m256i comp = _mm256_set1_epi32(p.xq_comp[at]);
-      const __m256 xs = _mm256_set1_ps(p.xq_scale[at]);
-      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[m][0], comp)), _mm256_mul_ps(xs, g0), acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[m][1], comp)), _mm256_mul_ps(xs, g1), acc[m][1]);
+      for (int m = 0; m < MR; ++m) {
+        const int64_t at = (row0 + m) * ls + blk;
+        const __m256i comp = _mm256_set1_epi32(p.xq_comp[at]);
+        const __m256 xs = _mm256_set1_ps(p.xq_scale[at]);
+        acc[j][m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[j][m][0], comp)), _mm256_mul_ps(xs, g0),
+                                       acc[j][m][0]);
+        acc[j][m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[j][m][1], comp)), _mm256_mul_ps(xs, g1),
+                                       acc[j][m][1]);
+      }
     }
   }
-  finish<MR>(p, row0, panel, acc);
+  for (int j = 0; j < NP; ++j) finish<MR>(p, row0, panel + j, acc[j]);
 }
 
 template <bool kInt4>
 void int8_run(const GemmParams& p, int64_t begin, int64_t end) {
   const auto* w = static_cast<const uint8_t*>(p.w);
   const int64_t panel_bytes = p.panel_rows * 4 * kPanel;
-  for (int64_t panel = begin; panel < end; ++panel) {
+  int64_t panel = begin;
+  if (p.M == 1) {
+    for (; panel + kInt8Streams <= end; panel += kInt8Streams)
+      int8_rows<1, kInt4, kInt8Streams>(p, w + panel * panel_bytes, 0, panel);
+  }
+  for (; panel < end; ++panel) {
     const uint8_t* pw = w + panel * panel_bytes;
     int64_t row = 0;
     for (; row + 4 <= p.M; row += 4) int8_rows<4, kInt4>(p, pw, row, panel);

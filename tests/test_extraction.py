@@ -144,7 +144,7 @@ def start_all(engine_dir, env, logs: Path, n: int) -> list[Server]:
 def test_restarts_by_sigterm_and_sigkill_leave_no_extraction_behind(engine_dir, env, tmp_path):
     package = engine_dir / "rank0.engine"
     killed = []
-    for batch, (sig, n) in enumerate([(signal.SIGTERM, 5), (signal.SIGTERM, 5), (signal.SIGKILL, 3)]):
+    for batch, (sig, n) in enumerate([(signal.SIGTERM, 3), (signal.SIGKILL, 3)]):  # a restart each, 3 at once
         (tmp_path / f"batch{batch}").mkdir()
         servers = start_all(engine_dir, env, tmp_path / f"batch{batch}", n)
         try:

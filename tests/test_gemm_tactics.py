@@ -97,8 +97,9 @@ def test_engines_move_between_instruction_sets(checkpoint, tmp_path):
     tokens, lps, _ = _generate(tmp_path / "here")
     moved, moved_lps, stderr = _generate(tmp_path / "here", {"KILN_CPU_ISA": "avx2"})
     assert_same_greedy(moved, tokens, lps)
-    if set(here["cpu_features"]) - {"avx2"}:
-        assert "which this CPU lacks; running" in stderr
+    if not set(here["cpu_features"]) - {"avx2"}:
+        return  # an AVX2-only CPU: the engine timed here is the one an AVX2 build would give
+    assert "which this CPU lacks; running" in stderr
     script = ("import sys; sys.path.insert(0, 'tests'); import test_gemm_tactics as t\n"
               f"print(t._build({str(ckpt)!r}, __import__('pathlib').Path({str(tmp_path / 'avx2')!r}))['cpu_features'])\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT,

@@ -13,6 +13,7 @@ on ContinuousBatchingPipeline, the prefix cache off, both fed token ids (no toke
 ignored. Decode tokens/s subtracts a prefill of the same batch (max_new_tokens=1) from the whole
 generation, as throughput.py times Kiln and HF.
 """
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ def exported(hf_dir: Path, work: Path, python: str, kinds=tuple(WEIGHT_FORMATS))
         dest = work / kind
         if not (dest / "openvino_model.xml").is_file():
             tmp = work / f".{kind}.tmp"
-            subprocess.run(["rm", "-rf", str(tmp)], check=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             subprocess.run([python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(hf_dir),
                             "--task", "text-generation-with-past", *WEIGHT_FORMATS[kind], str(tmp)], check=True,
                            stdout=subprocess.DEVNULL)

@@ -10,6 +10,7 @@ an EOS cannot end it early; decode tokens/s subtracts a prefill of the same batc
 one token) from the whole generation, as throughput.py times Kiln and HF.
 """
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ def exported(hf_dir: Path, work: Path, python: str, kinds=("int4", "int8")) -> d
         dest = work / kind
         if not (dest / "genai_config.json").is_file():
             tmp = work / f".{kind}.tmp"
-            subprocess.run(["rm", "-rf", str(tmp)], check=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             subprocess.run([python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(tmp),
                             "-p", kind, "-e", "cpu", "-c", str(work / "cache")], check=True,
                            stdout=subprocess.DEVNULL)

@@ -13,12 +13,12 @@ on ContinuousBatchingPipeline, the prefix cache off, both fed token ids (no toke
 ignored. Decode tokens/s subtracts a prefill of the same batch (max_new_tokens=1) from the whole
 generation, as throughput.py times Kiln and HF.
 """
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
+
+from peer_timing import WholeCalls, export_once
 
 WEIGHT_FORMATS = {"fp16": ["--weight-format", "fp16"], "int8": ["--weight-format", "int8"],
                   "int4": ["--weight-format", "int4", "--sym", "--group-size", "64", "--ratio", "1.0"]}
@@ -26,21 +26,12 @@ WEIGHT_FORMATS = {"fp16": ["--weight-format", "fp16"], "int8": ["--weight-format
 
 def exported(hf_dir: Path, work: Path, python: str, kinds=tuple(WEIGHT_FORMATS)) -> dict[str, Path]:
     """OpenVINO IR dirs of hf_dir per weight format, exported once into work."""
-    out = {}
-    for kind in kinds:
-        dest = work / kind
-        if not (dest / "openvino_model.xml").is_file():
-            tmp = work / f".{kind}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            subprocess.run([python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(hf_dir),
-                            "--task", "text-generation-with-past", *WEIGHT_FORMATS[kind], str(tmp)], check=True,
-                           stdout=subprocess.DEVNULL)
-            tmp.rename(dest)
-        out[kind] = dest
-    return out
+    return export_once(work, kinds, "openvino_model.xml", lambda kind, out: [
+        python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(hf_dir),
+        "--task", "text-generation-with-past", *WEIGHT_FORMATS[kind], str(out)])
 
 
-class OpenVino:
+class OpenVino(WholeCalls):
     """One exported model: an LLMPipeline for batch 1 and a ContinuousBatchingPipeline for batches."""
 
     def __init__(self, path: Path, threads: int, max_batch: int, max_len: int):
@@ -63,7 +54,7 @@ class OpenVino:
         c.do_sample = False
         return c
 
-    def _generate(self, prompts: list[list[int]], new_tokens: int) -> float:
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> float:
         import openvino as ov
 
         start = time.perf_counter()
@@ -80,18 +71,6 @@ class OpenVino:
         if counts != [new_tokens] * len(prompts):
             raise RuntimeError(f"OpenVINO generated {counts} tokens, expected {new_tokens} each")
         return seconds
-
-    def prefill(self, prompt: list[int]) -> float:
-        """Seconds to prefill one prompt and sample its first token."""
-        return self._generate([prompt], 1)
-
-    def decode(self, prompts: list[list[int]], new_tokens: int) -> float:
-        """Decode tokens/s of greedy generation of new_tokens for all prompts at once: the whole call less a
-        prefill of the same batch (of the prompts reversed, so neither is served from a cache)."""
-        self._generate([p[:0:-1] for p in prompts], 2)  # warm-up, at this batch size
-        prefill = self._generate([p[::-1] for p in prompts], 1)
-        total = self._generate(prompts, new_tokens)
-        return len(prompts) * (new_tokens - 1) / max(total - prefill, 1e-9)
 
     def close(self) -> None:
         del self.pipe, self.batched

@@ -44,7 +44,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -54,6 +53,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from kiln.utils import free_ports
 
 
 @dataclass
@@ -373,18 +374,6 @@ def plot(runs: list[dict], hf: dict | None, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------- server
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports (held together while bound, so that none is handed out twice)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def start_server(engine_dir: str, threads: int | None, log: Path, backend: str = "openai",
                  prefix_caching: bool = True) -> tuple[subprocess.Popen, str]:
     """`kiln serve` (openai), or `kiln triton-repo` + `kiln triton-serve` (triton, llmapi), on the engine."""

@@ -2,11 +2,25 @@
 import os
 import resource
 import shutil
+import socket
 import sys
 import uuid
 from pathlib import Path
 
 from tqdm import tqdm
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports: the sockets are held together, so that no two calls of bind(0)
+    hand out the same one (tritonserver refuses HTTP and metrics on one port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def peak_rss_mb() -> float:

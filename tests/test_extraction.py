@@ -12,7 +12,6 @@ import gc
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from kiln.config import ConfigError
 from kiln.plugins import cpp
 from kiln.engine import extraction
 from kiln.engine.loader import RankEngine
+from kiln.utils import free_ports
 
 KILN = Path(sys.executable).parent / "kiln"
 
@@ -51,15 +51,9 @@ def area(env) -> Path:
     return Path(env["KILN_CACHE_DIR"]) / "extracted"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, engine_dir: Path, env: dict, log: Path):
-        self.port, self.log, self.env, self.model = free_port(), log, env, str(engine_dir)
+        self.port, self.log, self.env, self.model = free_ports(1)[0], log, env, str(engine_dir)
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
         self.proc = subprocess.Popen(
             [str(KILN), "serve", "--engine_dir", str(engine_dir), "--host", "127.0.0.1", "--port",

@@ -3,7 +3,6 @@ says so; LLM(..., skip_tokenizer_init=True) and `kiln serve --skip-tokenizer-ini
 and give token ids with empty text; without that flag the error names --tokenizer_dir."""
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from kiln import LLM, SamplingParams
 from kiln.build.builder import build_engine
 from kiln.build.cli import main as engine_build
 from kiln.config import BuildConfig, ConfigError
+from kiln.utils import free_ports
 
 PROMPTS = [[5, 17, 42, 99], [7, 7, 300, 12, 8, 64, 3]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -83,14 +83,8 @@ def test_skip_tokenizer_init_generates_token_ids(bare, reference):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4, stop=["\n"]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(engine_dir: Path, log: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_ports(1)[0]
     proc = subprocess.Popen([str(Path(sys.executable).parent / "kiln"), "serve", "--engine_dir", str(engine_dir),
                              "--host", "127.0.0.1", "--port", str(port), "--threads", "1", "--no_access_log", *args],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)

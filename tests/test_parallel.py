@@ -12,7 +12,6 @@ holds the step in flight) and waited for with bounded polls."""
 import asyncio
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from kiln.config import BuildConfig, ConfigError
 from kiln.convert.cli import convert_checkpoint
 from kiln.runtime.messages import EngineDeadError
 from kiln.runtime.executor.multiproc import MultiprocExecutor
+from kiln.utils import free_ports
 from tiny_models import PROMPTS, corpus
 
 TPB = TEST_BUILD["tokens_per_block"]
@@ -209,11 +209,6 @@ def test_quantized_tp2_same_tokens_as_tp1(parallel_engine, tmp_path_factory, mak
 
 
 # ------------------------------------------------------------------------------ torchrun
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def wait_healthy(url: str, procs: list, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
@@ -240,7 +235,7 @@ def test_torchrun_two_nodes_same_tokens(parallel_engine, engine, tmp_path):
     across "nodes" the TP all-reduces go through gloo. SIGTERM to the server ends both cleanly."""
     engine_dir = parallel_engine("llama", 2, 1)
     ref = LLM(engine("llama")).generate([PROMPTS[0], PROMPTS[2]], greedy())
-    port, master = free_port(), free_port()
+    port, master = free_ports(2)
     launchers = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
          str(node), "--master-addr", "127.0.0.1", "--master-port", str(master), "-m", "kiln.launch", "serve",
@@ -329,7 +324,7 @@ def test_killed_worker_fails_kiln_serve_fast(parallel_engine, tmp_path):
     """/health is never 200 again, the stream in flight ends with an error, the server exits 1
     within 10 s, and no process of its tree is left."""
     engine_dir = parallel_engine("llama", 2, 1)
-    port, log = free_port(), tmp_path / "server.log"
+    port, log = free_ports(1)[0], tmp_path / "server.log"
     server = subprocess.Popen([str(Path(sys.executable).parent / "kiln"), "serve", "--engine_dir", str(engine_dir),
                                "--host", "127.0.0.1", "--port", str(port), "--no_access_log",
                                "--max_tokens_in_paged_kv_cache", "512"], stdout=open(log, "w"), stderr=subprocess.STDOUT)

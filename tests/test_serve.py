@@ -23,6 +23,7 @@ import pytest
 from conftest import TEST_BUILD
 from kiln import LLM, SamplingParams
 from kiln.serve.metrics import METRIC_NAMES
+from kiln.utils import free_ports
 from tiny_models import PROMPTS
 
 KEY = "test-key"
@@ -34,15 +35,9 @@ MAX_TOKENS = 12
 MAX_SEQ_LEN = TEST_BUILD["max_seq_len"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, engine_dir: Path, log: Path, *args: str):
-        self.port = free_port()
+        self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         kiln = Path(sys.executable).parent / "kiln"

@@ -5,7 +5,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,7 @@ import httpx
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports: the sockets are held together, so that no two calls of bind(0) hand
-    out the same one (tritonserver refuses HTTP and metrics on one port)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+from kiln.utils import free_ports
 
 
 def free_port() -> int:

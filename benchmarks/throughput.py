@@ -26,7 +26,8 @@ must divide the KV heads: 3 for SmolLM-135M, 8 for llama-1b).
 
   python benchmarks/throughput.py --batch 1 16 --output_len 128 --json out.json
   python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --llama_cpp --batch 1 16
-  python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --openvino --ort_genai --peer_python bench_out/peers/bin/python
+  python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --openvino --ort_genai \
+      --peer_python bench_out/peers/bin/python
   python benchmarks/throughput.py --tp 3 --pp 2 --long_context 0
   python benchmarks/throughput.py --shape llama-1b --tp 2 --build_only
 """
@@ -465,7 +466,8 @@ def main():
               + f" | prefill {args.prefill_len}")
         rows = [(f"Kiln {name(fmt)}" + (" (int8 activations)" if args.int8_activations and quantized(fmt) else ""),
                  results["kiln"][fmt]["1x1"]) for fmt in args.formats]
-        rows += [(f"{label} {kind}", r) for flag, (label, *_) in PEERS.items() for kind, r in results.get(flag, {}).items()]
+        rows += [(f"{label} {kind}", r) for flag, (label, *_) in PEERS.items()
+                 for kind, r in results.get(flag, {}).items()]
         if results["prefill"].get(args.prefill_len, {}).get("hf"):
             rows.append((f"HF {args.dtype}", {"decode": {b: r["hf"] for b, r in results["decode"].items()},
                                               "prefill": results["prefill"][args.prefill_len]["hf"]}))

@@ -182,9 +182,9 @@ class MachineLoad:
 def _time_us(layer, m: int, kernels: list[int], x_dtype: torch.dtype, budget_s: float = 0.05,
              spread: dict | None = None) -> dict[int, float]:
     """Microseconds per call of layer's GEMM at m tokens on each kernel: the fastest single call of
-    rounds that take the plugin's kernels in turn (ATen's in rounds of its own). A shared machine's noise (a descheduled thread, another
-    process's cache traffic) only ever slows a call down, and taking turns keeps a slow minute from
-    landing on one kernel. spread, if given, gets each kernel's median call over its fastest."""
+    rounds that take the plugin's kernels in turn (ATen's in rounds of its own). A shared machine's
+    noise (a descheduled thread, another process's cache traffic) only ever slows a call down, and
+    taking turns keeps a slow minute from landing on one kernel. spread, if given, gets each kernel's median call over its fastest."""
     from kiln.plugins import gemm
 
     x = torch.randn(m, layer.k, generator=torch.Generator().manual_seed(m)).to(x_dtype)

@@ -68,6 +68,47 @@ def test_matches_reference(op, step, block_size, heads, head_dim):
     _check(op(q16, cache16, *args[2:]), expected16, torch.bfloat16, "bfloat16")
 
 
+@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (80, 16), (46, 7)])
+def test_bf16_context_kernel(op, tmp_path, head_dim, block_size):
+    """Context tiles of a bf16 q over a bf16 pool run on bf16 dot products where the CPU has
+    AVX512_BF16 (csrc/attention_bf16.cpp), and on the float kernel with KILN_CPU_ISA=avx512: both within
+    bf16 tolerance of the reference. Their results differ (the bf16 kernel rounds P to bf16), which
+    shows which kernel ran. Prefills long and short, one past cached tokens, GQA 3, a head_dim off 32
+    and a page of an odd size."""
+    from safetensors.torch import load_file, save_file
+
+    cpp.load()
+    if "avx512_bf16" not in torch.ops.kiln_cpp.cpu_features().split(","):
+        pytest.skip("this CPU (or KILN_CPU_ISA / ATEN_CPU_CAPABILITY) lacks avx512_bf16")
+    inputs, _ = _make_step([("ctx", 300, 300), ("gen", 40, 1), ("ctx", 200, 77), ("ctx", 20, 20)], layers=1,
+                           kv_heads=3, heads=9, head_dim=head_dim, block_size=block_size, seed=head_dim)
+    args = list(_args(inputs))
+    args[0], args[1] = args[0].bfloat16(), args[1].bfloat16()
+    expected = reference.paged_attention(args[0].float(), args[1].float(), *args[2:])
+    ours = op(*args)
+    _check(ours, expected, torch.bfloat16, "bf16 kernel")
+
+    tensors = {str(i): a.contiguous() for i, a in enumerate(args) if torch.is_tensor(a)}
+    save_file(tensors, tmp_path / "args.safetensors")
+    script = textwrap.dedent(f"""
+        import torch
+        from safetensors.torch import load_file, save_file
+        from kiln.plugins import cpp
+        cpp.load()
+        assert "avx512_bf16" not in torch.ops.kiln_cpp.cpu_features()
+        t = load_file({str(tmp_path / "args.safetensors")!r})
+        args = [t[str(i)] if str(i) in t else a for i, a in enumerate({[None if torch.is_tensor(a) else a
+                                                                          for a in args]!r})]
+        save_file({{"out": torch.ops.kiln_cpp.paged_attention(*args)}}, {str(tmp_path / "out.safetensors")!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "KILN_CPU_ISA": "avx512"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    floats = load_file(tmp_path / "out.safetensors")["out"]
+    _check(floats, expected, torch.bfloat16, "float kernel")
+    assert not torch.equal(ours, floats)
+
+
 @pytest.mark.parametrize("head_dim", [8, 12, 40, 72])  # tails of the 8-wide (AVX2) / 16-wide (AVX-512) vectors
 def test_head_dims_off_the_vector_width(op, head_dim):
     inputs, _ = _step("mixed", 16, "gqa3", head_dim)

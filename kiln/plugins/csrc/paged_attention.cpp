@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "gemm.h"
 #include "paged_attention.h"
 #include "paged_attention_x86.h"
 #include "thread_pool.h"
@@ -334,15 +335,27 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   p.block_size = bs;
   p.scale = static_cast<float>(scale);
 
+  // Context tiles over a bf16 pool take the bf16 dot-product kernel where the CPU has one.
+  const bool bf16 = (cpu_features() & kAvx512Bf16) != 0;
+  std::vector<char> on_bf16(items.size());
   int64_t scratch = 0;
-  for (const WorkItem& it : items) {
-    scratch = std::max(scratch, k.scratch_size(p, it.n_q, it.kv_head_end - it.kv_head_begin));
+  for (size_t i = 0; i < items.size(); ++i) {
+    const WorkItem& it = items[i];
+    on_bf16[i] = bf16 && avx512::context_bf16_fits(p, it);
+    scratch = std::max(scratch, on_bf16[i] ? avx512::context_bf16_scratch(p, it.n_q)
+                                           : k.scratch_size(p, it.n_q, it.kv_head_end - it.kv_head_begin));
   }
   const int64_t n_items = static_cast<int64_t>(items.size());
   kiln::pool::parallel_chunks(0, n_items, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buffer;  // grows only: no zeroing per call
     if (static_cast<int64_t>(buffer.size()) < scratch) buffer.resize(scratch);
-    for (int64_t i = begin; i < end; ++i) k.attend(p, items[i], buffer.data());
+    for (int64_t i = begin; i < end; ++i) {
+      if (on_bf16[i]) {
+        avx512::attend_context_bf16(p, items[i], buffer.data());
+      } else {
+        k.attend(p, items[i], buffer.data());
+      }
+    }
   });
   if (!combines.empty()) {
     const int64_t n = static_cast<int64_t>(combines.size());

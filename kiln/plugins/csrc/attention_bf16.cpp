@@ -1,0 +1,322 @@
+// The context phase of paged attention on bf16 dot products (vdpbf16ps, AVX512_BF16): a tile of
+// bf16 query rows (n_q tokens x the G heads of one KV head) against a bf16 KV pool, flash-style (one
+// page at a time, online softmax), with both matrix products on the instruction the bf16 GEMMs use,
+// 32 multiply-adds each where the float kernel (paged_attention_kernel.h) does 16 per FMA after
+// widening every page. Built with this file's own target options and called only where cpu_features() reports
+// AVX512_BF16 (paged_attention.cpp).
+//
+// The query rows are the columns: 16 rows are one vector lane each, so
+//  - S^T = K Q^T: a key's two bf16 elements (d, d + 1) are broadcast straight from the pool against
+//    the queries as bf16 pair panels [D / 2][16 rows] (built once per tile, not per page);
+//  - the online softmax is elementwise over keys (a row's max and sum are lanes: no horizontal
+//    reductions), and the causal mask is one compare of the rows' positions against the key's;
+//  - O^T += V^T P^T: P^T goes to bf16 pairs of keys (t, t + 1) per row lane, and each V element pair
+//    (V[t][d], V[t + 1][d]) is broadcast against it; O^T [D][rows] stays float, rescaled per page.
+// P is rounded to bf16 before P.V, as GPU flash attention does; scores, the softmax and O stay float.
+
+#include "gemm.h"
+#include "paged_attention.h"
+#include "paged_attention_x86.h"
+
+#if KILN_X86_KERNELS
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#endif
+
+namespace kiln {
+namespace avx512 {
+namespace {
+
+constexpr int64_t L = 16;  // query rows per panel: the lanes of one vector
+constexpr int kMaxPanels = 4;  // panels one register tile covers
+
+inline int64_t up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+inline __m512 dot_pair(__m512 acc, __m512i panel_row, const void* pair) {
+  int32_t bits;
+  std::memcpy(&bits, pair, 4);
+  return _mm512_dpbf16_ps(acc, (__m512bh)panel_row, (__m512bh)_mm512_set1_epi32(bits));
+}
+
+// e^x for x <= 0 (-inf included: 0): 2^(x log2 e) as 2^n * 2^f, f in [-1/2, 1/2], 2^f by its
+// degree-6 Taylor polynomial (relative error ~1e-7).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Two float vectors as one vector of bf16 pairs: lane l holds (even[l], odd[l]).
+inline __m512i pairs_of(__m512 even, __m512 odd) {
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // [even 0..15, odd 0..15]
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, both);
+}
+
+// The scratch of one tile (floats and 32-bit words, in the caller's float buffer).
+struct Tile {
+  int64_t rows, panels, width;  // width = panels * 16 lanes
+  uint32_t* qp;  // [D / 2][width] the queries as bf16 pairs (d, d + 1), rows past `rows` zero
+  float* s;      // [block_size][width] a page's S^T, then P^T
+  uint32_t* pp;  // [block_size / 2][width] P^T as bf16 pairs of keys (t, t + 1)
+  uint32_t* vp;  // [block_size / 2][Dv] V as bf16 pairs of keys (t, t + 1), Dv = D rounded up to 32
+  float* o;      // [D][width] O^T
+  float* m;      // [width] running max
+  float* l;      // [width] running sum
+  float* corr;   // [width] this page's rescale factor of O^T
+  int32_t* pos;  // [width] each lane's query position (padding lanes: the last one's)
+};
+
+Tile carve(const AttentionParams& p, int64_t n_q, float* scratch) {
+  Tile t;
+  t.rows = n_q * (p.num_heads / p.num_kv_heads);
+  t.panels = (t.rows + L - 1) / L;
+  t.width = t.panels * L;
+  const int64_t D = p.head_dim, bs = up(p.block_size, 2);
+  float* at = scratch;
+  auto take = [&](int64_t n) { float* r = at; at += up(n, 16); return r; };
+  t.qp = reinterpret_cast<uint32_t*>(take(D / 2 * t.width));
+  t.s = take(bs * t.width);
+  t.pp = reinterpret_cast<uint32_t*>(take(bs / 2 * t.width));
+  t.vp = reinterpret_cast<uint32_t*>(take(bs / 2 * up(D, 32)));
+  t.o = take(D * t.width);
+  t.m = take(t.width);
+  t.l = take(t.width);
+  t.corr = take(t.width);
+  t.pos = reinterpret_cast<int32_t*>(take(t.width));
+  return t;
+}
+
+// Row r of the tile is query j = r / G, head g = r % G of the item's KV head.
+void load_queries(const AttentionParams& p, const WorkItem& it, const Tile& t) {
+  const int64_t G = p.num_heads / p.num_kv_heads, D = p.head_dim;
+  std::memset(t.qp, 0, D / 2 * t.width * sizeof(uint32_t));
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t head = it.kv_head_begin * G + r % G;
+    const int64_t base = it.tokens[r / G] * p.q_token_stride + head * p.q_head_stride;
+    const uint16_t* q = static_cast<const uint16_t*>(p.q) + base;
+    for (int64_t i = 0; i < D / 2; ++i) std::memcpy(t.qp + i * t.width + r, q + 2 * i, 4);
+  }
+  for (int64_t r = 0; r < t.width; ++r) {
+    t.pos[r] = static_cast<int32_t>(it.first_pos + std::min(r, t.rows - 1) / G);
+    t.m[r] = -std::numeric_limits<float>::infinity();
+    t.l[r] = 0.f;
+  }
+  std::memset(t.o, 0, D * t.width * sizeof(float));
+}
+
+// s[k0 + k][c0 * 16 ..] = mul * sum_d K[k0 + k][d] Q[row][d], for KR keys x NP panels.
+template <int KR, int NP>
+inline void scores_tile(const Tile& t, const uint16_t* kp, int64_t token_stride, int64_t pairs, int64_t k0,
+                        int64_t c0, float mul) {
+  __m512 acc[KR][NP];
+  for (int k = 0; k < KR; ++k)
+    for (int j = 0; j < NP; ++j) acc[k][j] = _mm512_setzero_ps();
+  const uint16_t* key = kp + k0 * token_stride;
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512i q[NP];
+    for (int j = 0; j < NP; ++j) q[j] = _mm512_loadu_si512(t.qp + i * t.width + (c0 + j) * L);
+    for (int k = 0; k < KR; ++k) {
+      for (int j = 0; j < NP; ++j) acc[k][j] = dot_pair(acc[k][j], q[j], key + k * token_stride + 2 * i);
+    }
+  }
+  const __m512 vm = _mm512_set1_ps(mul);
+  for (int k = 0; k < KR; ++k)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(t.s + (k0 + k) * t.width + (c0 + j) * L, _mm512_mul_ps(acc[k][j], vm));
+}
+
+template <int NP>
+void scores_panels(const Tile& t, const uint16_t* kp, int64_t token_stride, int64_t pairs, int64_t n, int64_t c0,
+                   float mul) {
+  int64_t k = 0;
+  for (; k + 4 <= n; k += 4) scores_tile<4, NP>(t, kp, token_stride, pairs, k, c0, mul);
+  switch (n - k) {
+    case 3: scores_tile<3, NP>(t, kp, token_stride, pairs, k, c0, mul); break;
+    case 2: scores_tile<2, NP>(t, kp, token_stride, pairs, k, c0, mul); break;
+    case 1: scores_tile<1, NP>(t, kp, token_stride, pairs, k, c0, mul); break;
+    default: break;
+  }
+}
+
+// O^T[d0 + m][c0 * 16 ..] = O^T * corr + sum over key pairs of V pairs x P^T pairs, for DR rows of
+// O^T x NP panels.
+template <int DR, int NP>
+inline void pv_tile(const Tile& t, int64_t key_pairs, int64_t Dv, int64_t d0, int64_t c0) {
+  __m512 acc[DR][NP];
+  for (int j = 0; j < NP; ++j) {
+    const __m512 c = _mm512_loadu_ps(t.corr + (c0 + j) * L);
+    for (int m = 0; m < DR; ++m) acc[m][j] = _mm512_mul_ps(_mm512_loadu_ps(t.o + (d0 + m) * t.width + (c0 + j) * L), c);
+  }
+  for (int64_t kp = 0; kp < key_pairs; ++kp) {
+    __m512i pr[NP];
+    for (int j = 0; j < NP; ++j) pr[j] = _mm512_loadu_si512(t.pp + kp * t.width + (c0 + j) * L);
+    for (int m = 0; m < DR; ++m) {
+      for (int j = 0; j < NP; ++j) acc[m][j] = dot_pair(acc[m][j], pr[j], t.vp + kp * Dv + d0 + m);
+    }
+  }
+  for (int m = 0; m < DR; ++m)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(t.o + (d0 + m) * t.width + (c0 + j) * L, acc[m][j]);
+}
+
+template <int NP>
+void pv_panels(const Tile& t, int64_t key_pairs, int64_t D, int64_t Dv, int64_t c0) {
+  int64_t d = 0;
+  for (; d + 4 <= D; d += 4) pv_tile<4, NP>(t, key_pairs, Dv, d, c0);
+  switch (D - d) {
+    case 3: pv_tile<3, NP>(t, key_pairs, Dv, d, c0); break;
+    case 2: pv_tile<2, NP>(t, key_pairs, Dv, d, c0); break;
+    case 1: pv_tile<1, NP>(t, key_pairs, Dv, d, c0); break;
+    default: break;
+  }
+}
+
+template <typename Fn>
+inline void by_panels(const Tile& t, Fn fn) {
+  for (int64_t c0 = 0; c0 < t.panels; c0 += kMaxPanels) {
+    switch (std::min<int64_t>(kMaxPanels, t.panels - c0)) {
+      case 1: fn(std::integral_constant<int, 1>{}, c0); break;
+      case 2: fn(std::integral_constant<int, 2>{}, c0); break;
+      case 3: fn(std::integral_constant<int, 3>{}, c0); break;
+      default: fn(std::integral_constant<int, 4>{}, c0); break;
+    }
+  }
+}
+
+// Masks the page's n scores (keys start .. start + n) by causality, updates m and l, and leaves
+// exp(s - m) in s and each lane's rescale factor in corr.
+void online_softmax(const Tile& t, int64_t start, int64_t n) {
+  for (int64_t c = 0; c < t.panels; ++c) {
+    const __m512i pos = _mm512_loadu_si512(t.pos + c * L);
+    float* col = t.s + c * L;
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t k = 0; k < n; ++k) {
+      const __mmask16 seen = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(start + k)));
+      const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), seen,
+                                          _mm512_loadu_ps(col + k * t.width));
+      _mm512_storeu_ps(col + k * t.width, s);
+      mx = _mm512_max_ps(mx, s);
+    }
+    const __m512 m_old = _mm512_loadu_ps(t.m + c * L), m_new = _mm512_max_ps(m_old, mx);
+    // Every row sees key 0 on the first page, so m_new is finite from there on.
+    const __m512 corr = exp_nonpositive(_mm512_sub_ps(m_old, m_new));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; ++k) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(col + k * t.width), m_new));
+      _mm512_storeu_ps(col + k * t.width, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(t.l + c * L, _mm512_fmadd_ps(_mm512_loadu_ps(t.l + c * L), corr, sum));
+    _mm512_storeu_ps(t.m + c * L, m_new);
+    _mm512_storeu_ps(t.corr + c * L, corr);
+  }
+}
+
+// P^T and the V page as bf16 pairs of keys (t, t + 1); an odd n's last pair takes a zero.
+void pair_keys(const Tile& t, const uint16_t* vp, int64_t token_stride, int64_t n, int64_t D, int64_t Dv) {
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t kp = 0; kp < (n + 1) / 2; ++kp) {
+    const bool two = 2 * kp + 1 < n;
+    for (int64_t x = 0; x < t.width; x += L) {
+      const __m512 even = _mm512_loadu_ps(t.s + 2 * kp * t.width + x);
+      const __m512 odd = two ? _mm512_loadu_ps(t.s + (2 * kp + 1) * t.width + x) : _mm512_setzero_ps();
+      _mm512_storeu_si512(t.pp + kp * t.width + x, pairs_of(even, odd));
+    }
+    const uint16_t* r0 = vp + 2 * kp * token_stride;
+    const uint16_t* r1 = r0 + token_stride;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __mmask32 valid = D - d >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (D - d)) - 1);
+      const __m512i a = _mm512_maskz_loadu_epi16(valid, r0 + d);
+      const __m512i b = two ? _mm512_maskz_loadu_epi16(valid, r1 + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(t.vp + kp * Dv + d, _mm512_permutex2var_epi16(a, lo_idx, b));
+      _mm512_storeu_si512(t.vp + kp * Dv + d + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+    }
+  }
+}
+
+void store_rows(const AttentionParams& p, const WorkItem& it, const Tile& t) {
+  const int64_t G = p.num_heads / p.num_kv_heads, D = p.head_dim;
+  auto* out = static_cast<c10::BFloat16*>(p.out);
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const float mul = p.kv_scale / t.l[r];  // every query sees key 0, so l >= 1
+    c10::BFloat16* dst = out + (it.tokens[r / G] * p.num_heads + it.kv_head_begin * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = c10::BFloat16(t.o[d * t.width + r] * mul);
+  }
+}
+
+}  // namespace
+
+bool context_bf16_fits(const AttentionParams& p, const WorkItem& it) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  return p.q_dtype == DType::BFloat16 && p.kv_dtype == DType::BFloat16 && p.head_dim % 2 == 0 &&
+         it.partial == nullptr && it.key_begin == 0 && it.kv_head_end == it.kv_head_begin + 1 && it.n_q * G >= L;
+}
+
+int64_t context_bf16_scratch(const AttentionParams& p, int64_t n_q) {
+  const int64_t width = up(n_q * (p.num_heads / p.num_kv_heads), L), D = p.head_dim, bs = up(p.block_size, 2);
+  return up(D / 2 * width, 16) + up(bs * width, 16) + up(bs / 2 * width, 16) + up(bs / 2 * up(D, 32), 16) +
+         up(D * width, 16) + 4 * up(width, 16);
+}
+
+void attend_context_bf16(const AttentionParams& p, const WorkItem& it, float* scratch) {
+  const Tile t = carve(p, it.n_q, scratch);
+  const int64_t D = p.head_dim, bs = p.block_size, Dv = up(D, 32);
+  load_queries(p, it, t);
+  const auto* k_base = static_cast<const uint16_t*>(p.k);
+  const auto* v_base = static_cast<const uint16_t*>(p.v);
+  const float mul = p.scale * p.kv_scale;
+  for (int64_t b = 0; b * bs < it.key_end; ++b) {
+    const int64_t start = b * bs, n = std::min(bs, it.key_end - start);
+    const int64_t offset = it.block_table[b] * p.block_stride + it.kv_head_begin * p.head_stride;
+    by_panels(t, [&](auto np, int64_t c0) {
+      scores_panels<decltype(np)::value>(t, k_base + offset, p.token_stride, D / 2, n, c0, mul);
+    });
+    online_softmax(t, start, n);
+    pair_keys(t, v_base + offset, p.token_stride, n, D, Dv);
+    by_panels(t, [&](auto np, int64_t c0) { pv_panels<decltype(np)::value>(t, (n + 1) / 2, D, Dv, c0); });
+  }
+  store_rows(p, it, t);
+}
+
+}  // namespace avx512
+}  // namespace kiln
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#else
+namespace kiln {
+namespace avx512 {  // never called: cpu_features() reports no AVX-512 here
+bool context_bf16_fits(const AttentionParams&, const WorkItem&) { return false; }
+int64_t context_bf16_scratch(const AttentionParams&, int64_t) { return 0; }
+void attend_context_bf16(const AttentionParams&, const WorkItem&, float*) {}
+}  // namespace avx512
+}  // namespace kiln
+#endif

@@ -99,6 +99,8 @@ def main():
                     help="build the int8/int4 engines with engine-build's --int8_activations (its default) and report "
                          "their perplexity with int8 activations and with float activations at every token count "
                          "beside the engine's own mix (--no-int8_activations: W8A16/W4A16 engines, float only)")
+    ap.add_argument("--quantize_lm_head", choices=["auto", "none", "int8", "int4"], default="auto",
+                    help="engine-build --quantize_lm_head (auto: int8 for the int8/int4 weight-only formats)")
     ap.add_argument("--ppl_chars", type=int, default=40000,
                     help="characters of the evaluation text scored through each engine (0: skip)")
     ap.add_argument("--timing_cache", help="engine-build --timing_cache FILE")
@@ -148,7 +150,8 @@ def main():
             shutil.rmtree(engine_dir, ignore_errors=True)
             start = time.perf_counter()
             int8 = args.int8_activations and qformat in ("int8_wo", "int4_wo", "int4_awq", "int4_gptq")
-            build_engine(ckpt, engine_dir, BuildConfig(**build, int8_activations=int8, timing_cache=args.timing_cache),
+            build_engine(ckpt, engine_dir, BuildConfig(**build, int8_activations=int8, timing_cache=args.timing_cache,
+                                                       quantize_lm_head=args.quantize_lm_head),
                          log=lambda m: print(f"  {m}", file=sys.stderr))
             build_s = time.perf_counter() - start
         llm = LLM(engine_dir)

@@ -260,7 +260,8 @@ def main():
     ap.add_argument("--int8_activations", action=argparse.BooleanOptionalAction, default=True,
                     help="build the int8/int4 engines with engine-build's --int8_activations (its default; "
                          "--no-int8_activations: W8A16/W4A16)")
-    ap.add_argument("--quantize_lm_head", action="store_true", help="engine-build --quantize_lm_head")
+    ap.add_argument("--quantize_lm_head", choices=["auto", "none", "int8", "int4"], default="auto",
+                    help="engine-build --quantize_lm_head (auto: int8 for the int8/int4 engines)")
     ap.add_argument("--timing_cache", help="engine-build --timing_cache FILE")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the engines even if they exist")
     ap.add_argument("--tp", type=int, default=None, help="also measure a tensor-parallel engine of this size")
@@ -318,7 +319,7 @@ def main():
     shape = f"_{args.shape}" if args.shape != "smollm-135m" and not args.hf_dir else ""
     options = {None: "", True: "_autotune", False: "_noautotune"}[args.max_autotune]
     options += (f"_{args.attention}" if args.attention else "") + (f"_gemm{args.gemm}" if args.gemm else "")
-    options += "_qhead" if args.quantize_lm_head else ""
+    options += "" if args.quantize_lm_head == "auto" else f"_head{args.quantize_lm_head}"
     max_batch = max(args.batch)
     quantized = lambda fmt: fmt not in ("bf16", args.dtype)  # noqa: E731
     name = lambda fmt: fmt if quantized(fmt) else args.dtype  # noqa: E731

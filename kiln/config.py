@@ -236,9 +236,11 @@ class BuildConfig:
     # measured perplexity cost is within a tenth of a percent (benchmarks/quant.py --int8_activations).
     # False: W8A16/W4A16 as the format specifies.
     int8_activations: bool = True
-    # The lm_head RTN-quantized at build, in the checkpoint's weight-only width (int4 for int4 formats,
-    # else int8); off by default, as in ModelOpt.
-    quantize_lm_head: bool = False
+    # The lm_head RTN-quantized at build: "int8" (per row), "int4" (per group), "none", or None for
+    # the builder's choice (kiln.build.builder.lm_head_quantization: int8 for int8/int4 weight-only
+    # checkpoints). A tied embedding reads its rows out of the same table. (True / False: engines
+    # built before, meaning the checkpoint's width / none.)
+    quantize_lm_head: str | bool | None = None
     # Written by engine-build: the tactic table (per GEMM and bucket: the winner and every candidate's
     # microseconds), the CPU features its kernels need, and the CPU it was timed on.
     gemm_tactics: dict | None = None

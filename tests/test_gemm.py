@@ -188,6 +188,21 @@ def test_pack_roundtrip_and_embedding():
         gemm.embedding(w, torch.tensor([1]), 50)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_embedding_of_a_quantized_table(fmt, dtype):
+    """A tied embedding reads its rows out of a quantized lm_head's table: each row dequantized with its
+    own scale (int8) or group scales (int4), rounded once into the model's dtype."""
+    packed, scale, group_size, dense = _weights(fmt, 50, 128, group_size=64)
+    ids = torch.tensor([[0, 17, 49], [3, 17, 16]])
+    rows = gemm.embedding(packed, ids, 50, 128, scale, group_size, dtype)
+    assert rows.dtype == dtype and torch.equal(rows, dense[ids].to(dtype))
+    with pytest.raises(RuntimeError, match=r"token id 50 is outside the vocabulary \[0, 50\)"):
+        gemm.embedding(packed, torch.tensor([50]), 50, 128, scale, group_size, dtype)
+    with pytest.raises(RuntimeError, match="needs scale"):
+        gemm.embedding(packed, ids, 50, 128, scale[:1], group_size, dtype)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(x=torch.randn(2, 64, dtype=torch.float64)), "x must be float32, bfloat16 or float16"),
     (dict(x=torch.randn(2, 32)), "x has K = 32 input features"),

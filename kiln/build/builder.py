@@ -11,7 +11,7 @@ from kiln.engine.format import kv_cache_dtype
 from kiln.convert.writer import copy_tokenizer_files, has_tokenizer
 from kiln.config import (ELEMENTWISE_PLUGINS, BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json,
                          write_json)
-from kiln.models.linear import check_quantization
+from kiln.models.linear import INT4_ALGOS, check_quantization
 from kiln.utils import peak_rss_mb, replace_dir, progress
 
 
@@ -70,6 +70,33 @@ def _record_tactics(build: BuildConfig, ranks: list, log) -> None:
         log(summary)
 
 
+LM_HEAD_QUANTIZATIONS = ("none", "int8", "int4")
+# Checkpoints whose linears are int8 or int4 weights with float activations.
+WEIGHT_ONLY_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ")
+
+
+def lm_head_quantization(value, pretrained: PretrainedConfig, gemm_plugin: str) -> str:
+    """--quantize_lm_head resolved: "none", "int8" or "int4".
+
+    The default quantizes the lm_head of int8/int4 weight-only checkpoints to int8 per row: at
+    SmolLM-135M's shape the bf16 lm_head is about half of an int4 engine's bytes, so batch-1 decode
+    reads it more than all the layers together, and on the default model the int8 lm_head moved
+    engine perplexity by 0.00% (int4 per group: +1%; benchmarks/quant.py --quantize_lm_head). FP8,
+    SmoothQuant and unquantized checkpoints keep it as it is, as ModelOpt does."""
+    algo = pretrained.quantization.quant_algo
+    if value is None or value == "auto":
+        return "int8" if gemm_plugin == "cpp" and algo in WEIGHT_ONLY_ALGOS else "none"
+    if isinstance(value, bool):  # an engine config written before: the checkpoint's width
+        value = ("int4" if algo in INT4_ALGOS else "int8") if value else "none"
+    if value not in LM_HEAD_QUANTIZATIONS:
+        raise ConfigError(f"quantize_lm_head {value!r} is not supported; expected auto or one of "
+                          f"{', '.join(LM_HEAD_QUANTIZATIONS)}")
+    if value != "none" and gemm_plugin != "cpp":
+        raise ConfigError("--quantize_lm_head needs the C++ GEMM plugin (--gemm_plugin cpp, an aoti build's default "
+                          "for bf16/fp16 or quantized weights)")
+    return value
+
+
 def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, tokenizer_dir=None,
                  workers: int = 1) -> Path:
     """tokenizer_dir: where the tokenizer files come from (default: the checkpoint dir; ModelOpt's
@@ -118,9 +145,7 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
     if pretrained.mapping.tp_size > 1:
         # TensorRT-LLM's name for its collectives plugin: the graph calls kiln_cpp::all_reduce/all_gather.
         build.plugin_config["nccl_plugin"] = "cpp"
-    if build.quantize_lm_head and build.plugin_config["gemm_plugin"] != "cpp":
-        raise ConfigError("--quantize_lm_head needs the C++ GEMM plugin (--gemm_plugin cpp, an aoti build's default "
-                          "for bf16/fp16 or quantized weights)")
+    build.quantize_lm_head = lm_head_quantization(build.quantize_lm_head, pretrained, build.plugin_config["gemm_plugin"])
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:
@@ -145,6 +170,7 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
         raise
     size = sum(f.stat().st_size for f in output_dir.iterdir()) / 2**20
     log(f"built {build.backend} engine in {time.time() - start:.1f}s: "
-        f"{pretrained.mapping.world_size} rank(s), {size:.1f} MB, peak RSS {peak_rss_mb():.0f} MB, {tokenizer} "
+        f"{pretrained.mapping.world_size} rank(s), {size:.1f} MB, peak RSS {peak_rss_mb():.0f} MB, "
+        f"{'' if build.quantize_lm_head == 'none' else f'{build.quantize_lm_head} lm_head, '}{tokenizer} "
         f"-> {output_dir}")
     return output_dir

@@ -44,10 +44,12 @@ BUILD_OPTIONS = [
                       "that times faster, as llama.cpp and ORT GenAI do: faster small-batch decode, slightly "
                       "different arithmetic (benchmarks/quant.py reports the perplexity cost). "
                       "--no_int8_activations: W8A16/W4A16 as specified."),
-    click.option("--quantize_lm_head/--no_quantize_lm_head", default=False, show_default=True,
-                 help="Quantize the lm_head at build time (round to nearest): int4 with the checkpoint's group "
-                      "size for int4 formats, else int8 per row. Needs --gemm_plugin cpp. A tied embedding then "
-                      "keeps its own unquantized table."),
+    click.option("--quantize_lm_head", type=click.Choice(["auto", "none", "int8", "int4"]), default="auto",
+                 show_default=True,
+                 help="Quantize the lm_head at build time (round to nearest): int8 per row, or int4 per group "
+                      "(the checkpoint's group size). auto: int8 for int8/int4 weight-only checkpoints, whose "
+                      "decode reads the bf16 lm_head more than all their layers (measured lossless), else none. "
+                      "Needs --gemm_plugin cpp. A tied embedding reads its rows out of the same table."),
     click.option("--workers", type=int, default=1, show_default=True,
                  help="Rank engines compiled at once, each in a process of its own that reads only its "
                       "rank's weights (1: every rank in turn, in this process)."),

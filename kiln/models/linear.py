@@ -159,17 +159,20 @@ class PackedLinear(nn.Module):
         return gemm.gemm(x, self.weight, self.scale, self.bias, self.n, self.group_size, self.out_float, self.tactics)
 
 
-def packed_lm_head(config: PretrainedConfig, weight: torch.Tensor, quantize: bool = False) -> PackedLinear:
-    """The vocab GEMM (float32 logits) on the plugin. quantize (--quantize_lm_head): its weight
-    round-to-nearest quantized at build time, in the checkpoint's weight-only width: int4 with the
-    checkpoint's group size for the int4 formats, else int8 per row (ModelOpt keeps lm_head
-    unquantized by default, and so does Kiln)."""
+def packed_lm_head(config: PretrainedConfig, weight: torch.Tensor, quantize: str = "none") -> PackedLinear:
+    """The vocab GEMM (float32 logits) on the plugin. quantize (engine-build --quantize_lm_head,
+    resolved by kiln.build.builder.lm_head_quantization): "int8" per row, "int4" with the checkpoint's
+    group size (else the largest of 64 and 32 dividing K), both round-to-nearest at build time, or
+    "none"."""
     n, k = weight.shape
-    if not quantize:
+    if quantize == "none":
         return PackedLinear(gemm.pack(weight), n, k, out_float=True)
     w = weight.float()
-    if config.quantization.quant_algo in INT4_ALGOS:
-        g = config.quantization.group_size
+    if quantize == "int4":
+        algo = config.quantization.quant_algo
+        g = config.quantization.group_size if algo in INT4_ALGOS else next((g for g in (64, 32) if k % g == 0), 0)
+        if not g or k % g:
+            raise ConfigError(f"an int4 lm_head needs a group size dividing hidden_size ({k}); use --quantize_lm_head int8")
         scale = (w.view(n, -1, g).abs().amax(-1) / 7).clamp(min=1e-10)  # ModelOpt's int4 RTN: amax / 7
         q = (w.view(n, -1, g) / scale[..., None]).round().clamp(-8, 7).view(n, -1)
         packed, scales = gemm.pack_int4(q, scale, g)

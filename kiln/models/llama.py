@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.config import ELEMENTWISE_PLUGINS, PretrainedConfig
+from kiln.config import ELEMENTWISE_PLUGINS, PretrainedConfig, torch_dtype
 from kiln.models import rope
 from kiln.models.linear import make_linear, packed_lm_head, tensor_specs
 from kiln.models.parallel import TensorParallel
@@ -71,10 +71,10 @@ class LlamaForCausalLM(nn.Module):
     """Rank `rank` of the checkpoint's mapping: its pipeline stage's layers, its tensor-parallel
     share of each (kiln/models/parallel.py). The first stage embeds input_ids, later ones continue
     from hidden_states; the last stage returns logits, earlier ones the hidden states for the next.
-    quantize_lm_head: the vocab GEMM's weight quantized at build (--quantize_lm_head)."""
+    quantize_lm_head: "none", "int8" or "int4", the vocab GEMM's weight quantized at build (--quantize_lm_head)."""
 
     def __init__(self, config: PretrainedConfig, weights: dict, rank: int = 0, plugin_config: dict | None = None,
-                 quantize_lm_head: bool = False):
+                 quantize_lm_head: str = "none"):
         super().__init__()
         self.config = config
         self.ops = _Ops(plugin_config or {})
@@ -103,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
             weights[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"].float().reshape(1)
             for i in self.layer_ids]) if config.quantization.kv_cache_quant_algo else None)
 
-    def _init_head(self, weights: dict, quantize_lm_head: bool) -> None:
+    def _init_head(self, weights: dict, quantize_lm_head: str) -> None:
         self.ln_f = nn.Parameter(weights["transformer.ln_f.weight"], requires_grad=False)
         lm_head = weights["lm_head.weight"]
         tied = (self.config.tie_word_embeddings and self.vocab_embedding is not None
@@ -111,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_rows = lm_head.shape[0]
         if self.packed:
             self.lm_head = packed_lm_head(self.config, lm_head, quantize_lm_head)
-            if tied and not quantize_lm_head:  # embedding rows are read out of the packed table: one copy, not two
+            if tied:  # embedding rows are read out of the packed (maybe quantized) table: one copy, not two
                 self.vocab_embedding = None
         elif tied:
             self.lm_head = self.vocab_embedding  # one copy of the table in the engine, not two
@@ -120,8 +120,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _embed(self, input_ids):
         if self.vocab_embedding is None:  # tied to the packed lm_head
-            return self.tp.embedding(lambda ids: gemm.embedding(self.lm_head.weight, ids, self.vocab_rows,
-                                                                self.config.hidden_size), input_ids)
+            head, dtype = self.lm_head, torch_dtype(self.config.dtype)
+            return self.tp.embedding(lambda ids: gemm.embedding(head.weight, ids, self.vocab_rows, self.config.hidden_size,
+                                                                head.scale, head.group_size, dtype), input_ids)
         return self.tp.embedding(lambda ids: F.embedding(ids, self.vocab_embedding), input_ids)
 
     def forward(self, input_ids, positions, slot_mapping, ctx_token_index, ctx_block_tables,

@@ -66,12 +66,17 @@ def unpack(packed: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:
     return w[:n, : (k or rows * kk)]
 
 
-def embedding(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int = 0) -> torch.Tensor:
+def embedding(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int = 0, scale: torch.Tensor | None = None,
+              group_size: int = 0, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rows `ids` (int64, each in [0, n)) of a packed [n, k] table: a tied embedding shares the
-    lm_head's packed copy. The C++ op (not indexing) so that a compiled graph gathers them once."""
+    lm_head's packed copy. An int8 / int4 table (a quantized lm_head) comes with its scale (and
+    group size) and its rows are dequantized into dtype. The C++ op (not indexing) so that a compiled
+    graph gathers them once."""
     from kiln.plugins import cpp
 
     cpp.load()
+    if packed.dtype in (torch.int8, torch.uint8):
+        return torch.ops.kiln_cpp.embedding_dequant(packed, scale, ids, n, k, group_size, dtype)
     return torch.ops.kiln_cpp.embedding(packed, ids, n, k)
 
 

@@ -4,8 +4,13 @@ The runtime goes in Kiln's venv; the exporter (optimum-intel) in a venv of its o
 pulls a newer torch than Kiln's pin, and throughput.py runs it there (--peer_python):
 
   pip install openvino-genai==2026.4.1.0
-  python -m venv bench_out/peers && bench_out/peers/bin/pip install torch==2.13.0 transformers==4.57.6 \
-      'optimum-intel[openvino]==2.2.0' onnxruntime-genai==0.18.0 onnx
+  python -m venv bench_out/peers && bench_out/peers/bin/pip install torch==2.13.0 'transformers==5.5.*' \
+      'optimum-intel[openvino]==2.2.0' onnxruntime-genai==0.18.0 onnx onnx-ir
+  bench_out/peers/bin/pip uninstall -y torchvision
+
+transformers 5.5: optimum-intel 2.2 takes < 5.6 and onnxruntime-genai's builder imports 5.x's Qwen3.5
+classes. optimum-intel pulls a torchvision built for another torch, which then fails every import of
+transformers' models ("operator torchvision::nms does not exist"): nothing here needs it.
 
 The HF model is exported by `optimum-cli export openvino` at fp16, int8 and int4 (symmetric,
 group 64, every layer: --ratio 1.0). Batch-1 decode and prefill run on LLMPipeline, larger batches

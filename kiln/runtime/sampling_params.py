@@ -1,9 +1,12 @@
-"""Per-request sampling parameters (vLLM's names, defaults and semantics)."""
+"""Per-request sampling parameters (vLLM's names, defaults and semantics), and the guide that
+constrains a request's output (TensorRT-LLM's GuidedDecodingParams)."""
 
 from __future__ import annotations
 
+import json as jsonlib
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 # Temperatures below this are treated as greedy (as vLLM's _SAMPLING_EPS).
@@ -16,6 +19,109 @@ def _is_int(x: Any) -> bool:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+GUIDE_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Constrains a request's output to a grammar, enforced token by token (xgrammar: a bitmask of the
+    allowed tokens is applied to the logits before any sampling parameter), as TensorRT-LLM's
+    ``GuidedDecodingParams`` and vLLM's ``StructuredOutputsParams`` name it. Exactly one of:
+
+    - ``json``: a JSON schema, as a JSON string, a dict or a pydantic model class;
+    - ``regex``: a regular expression the whole output matches;
+    - ``choice``: a list of strings, the output being one of them;
+    - ``grammar``: an EBNF grammar (GBNF style, start rule ``root``);
+    - ``json_object``: any JSON object;
+    - ``structural_tag``: xgrammar's structural tag, as a JSON string or a dict.
+
+    ``disable_any_whitespace`` (vLLM's name): JSON without whitespace between its tokens. On by
+    default: a small or unsure model allowed any whitespace pads its JSON with newlines until
+    max_tokens (benchmarks/guided.py measures both). A request whose output reaches max_tokens
+    before the grammar completes finishes with ``length``: its output is a prefix, not a valid one.
+    Invalid guides raise ``ValueError`` naming the field and the parser's message (``check``)."""
+
+    json: str | dict | type | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = True
+    _checked: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, type):  # a pydantic model class
+            schema = getattr(self.json, "model_json_schema", None)
+            if schema is None:
+                raise ValueError(f"guided_decoding.json must be a JSON schema (str or dict) or a pydantic model "
+                                 f"class, got the class {self.json.__name__}")
+            self.json = schema()
+        if isinstance(self.json, dict):
+            self.json = jsonlib.dumps(self.json)
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = jsonlib.dumps(self.structural_tag)
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        set_ = [k for k in GUIDE_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(f"guided_decoding must set exactly one of {', '.join(GUIDE_KINDS)}; got "
+                             f"{', '.join(set_) if set_ else 'none'}")
+        for name in ("json", "regex", "grammar", "structural_tag"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ValueError(f"guided_decoding.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"guided_decoding.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+        if not isinstance(self.json_object, bool) or not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("guided_decoding.json_object and disable_any_whitespace must be bools")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in GUIDE_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar: guides with equal keys share one."""
+        return self.kind, getattr(self, self.kind), self.disable_any_whitespace
+
+    def to_grammar(self):
+        """The guide as an ``xgrammar.Grammar`` (independent of the tokenizer; ValueError if invalid)."""
+        import xgrammar as xgr
+
+        kind, value = self.kind, getattr(self, self.kind)
+        try:
+            if kind in ("json", "json_object"):
+                schema = value if kind == "json" else '{"type": "object"}'
+                # any_whitespace=False writes JSON as json.dumps does: ", " and ": " separators.
+                return xgr.Grammar.from_json_schema(schema, any_whitespace=not self.disable_any_whitespace)
+            if kind == "regex":
+                return xgr.Grammar.from_regex(value)
+            if kind == "choice":
+                return xgr.Grammar.from_ebnf("root ::= " + " | ".join(jsonlib.dumps(c, ensure_ascii=False)
+                                                                         for c in value))
+            if kind == "grammar":
+                return xgr.Grammar.from_ebnf(value)
+            return xgr.Grammar.from_structural_tag(value)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"guided_decoding.{kind} is not valid: {_parser_message(e)}") from None
+
+    def check(self) -> None:
+        """Raises ValueError naming the field and the parser's message if the guide does not parse."""
+        if not self._checked:
+            self.to_grammar()
+            self._checked = True
+
+
+def _parser_message(e: Exception) -> str:
+    """xgrammar's error without its timestamp, source file and check prefix."""
+    text = str(e).strip()
+    text = re.sub(r"^\[[\d:.]+\] [^:]+:\d+: ", "", text)
+    return re.sub(r"^Check failed: .*? is false: ", "", text).splitlines()[0] if text else type(e).__name__
 
 
 @dataclass
@@ -54,8 +160,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     return_context_logits: bool = False
     return_generation_logits: bool = False
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.guided_decoding, dict):
+            self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
         # --- normalization -------------------------------------------------------------
         if self.stop is None:
             self.stop = []
@@ -135,6 +244,8 @@ class SamplingParams:
                      "return_generation_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise bad("guided_decoding", "a GuidedDecodingParams, a dict of its fields, or None")
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,8 @@
 //     -> (tokens [N] int64, logprobs [N] float32, ranks [N] int64, top_ids [N, max_logprobs] int64,
 //         top_logprobs [N, max_logprobs] float32)
 //   process_logits(the same but max_logprobs) -> [N, V] float32: min_tokens masking and penalties
+//   allowed (both, optional): [N, ceil(V / 32)] int32, guided decoding's bitmask of the allowed
+//     tokens, applied before anything else (raw logprobs included)
 //
 // The columns of fparams / iparams and the history layout are sampler.h's; kiln/runtime/sampler_cpp.py
 // packs them from SampleRows. logprobs / ranks / top_* rows of rows without logprobs are left
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -102,7 +105,7 @@ void check_csr(const at::Tensor& tokens, const at::Tensor& offsets, int64_t n, i
 
 SamplerBatch make_batch(const at::Tensor& logits, const at::Tensor& fparams, const at::Tensor& iparams,
                         const at::Tensor& history, const at::Tensor& history_offsets, const at::Tensor& banned,
-                        const at::Tensor& banned_offsets) {
+                        const at::Tensor& banned_offsets, const std::optional<at::Tensor>& allowed) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(), kOp,
               "logits must be a 2-D float32 CPU tensor, got ", logits.scalar_type(), " of shape ", logits.sizes());
   TORCH_CHECK(logits.size(1) == 1 || logits.stride(1) == 1, kOp, "logits rows must be contiguous");
@@ -137,6 +140,15 @@ SamplerBatch make_batch(const at::Tensor& logits, const at::Tensor& fparams, con
   b.history_offsets = history_offsets.const_data_ptr<int64_t>();
   b.banned = banned.const_data_ptr<int64_t>();
   b.banned_offsets = banned_offsets.const_data_ptr<int64_t>();
+  if (allowed.has_value()) {
+    const int64_t words = (V + 31) / 32;
+    TORCH_CHECK(allowed->scalar_type() == at::kInt && allowed->is_contiguous() && allowed->dim() == 2 &&
+                    allowed->size(0) == N && allowed->size(1) == words,
+                kOp, "allowed must be a contiguous int32 [", N, ", ", words, "] bitmask, got ", allowed->scalar_type(),
+                " of shape ", allowed->sizes());
+    b.allowed = allowed->const_data_ptr<int32_t>();
+    b.allowed_words = words;
+  }
   return b;
 }
 
@@ -150,25 +162,27 @@ void run(const SamplerBatch& b) {
   // ATen's grain (32768 elements per task): a few small rows are not worth waking a thread for.
   const int64_t grain = std::max<int64_t>(1, 32768 / b.vocab);
   kiln::pool::parallel_for(0, b.num_rows, grain, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> values, spare;
+    thread_local std::vector<float> masked, values, spare;
     thread_local std::vector<int32_t> index, counts;
     thread_local std::vector<SamplerEntry> entries;
     thread_local std::vector<uint8_t> marks;
+    if (b.allowed != nullptr) grow(masked, b.vocab);
     grow(values, b.vocab);
     grow(spare, b.vocab);
     grow(index, b.vocab);
     grow(entries, b.vocab);
     grow(counts, b.vocab);
     grow(marks, b.vocab);
-    k(b, begin, end, {values.data(), spare.data(), index.data(), entries.data(), counts.data(), marks.data()});
+    k(b, begin, end, {masked.data(), values.data(), spare.data(), index.data(), entries.data(), counts.data(),
+                      marks.data()});
   });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sample_cpu(
     const at::Tensor& logits, const at::Tensor& fparams, const at::Tensor& iparams, const at::Tensor& history,
     const at::Tensor& history_offsets, const at::Tensor& banned, const at::Tensor& banned_offsets,
-    int64_t max_logprobs) {
-  SamplerBatch b = make_batch(logits, fparams, iparams, history, history_offsets, banned, banned_offsets);
+    int64_t max_logprobs, const std::optional<at::Tensor>& allowed) {
+  SamplerBatch b = make_batch(logits, fparams, iparams, history, history_offsets, banned, banned_offsets, allowed);
   TORCH_CHECK(max_logprobs >= 0, kOp, "max_logprobs must be >= 0, got ", max_logprobs);
   for (int64_t r = 0; r < b.num_rows; ++r) {
     const int64_t n = b.iparams[r * kNumInt + kNumLogprobs];
@@ -190,8 +204,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sample_cp
 
 at::Tensor process_logits_cpu(const at::Tensor& logits, const at::Tensor& fparams, const at::Tensor& iparams,
                               const at::Tensor& history, const at::Tensor& history_offsets, const at::Tensor& banned,
-                              const at::Tensor& banned_offsets) {
-  SamplerBatch b = make_batch(logits, fparams, iparams, history, history_offsets, banned, banned_offsets);
+                              const at::Tensor& banned_offsets, const std::optional<at::Tensor>& allowed) {
+  SamplerBatch b = make_batch(logits, fparams, iparams, history, history_offsets, banned, banned_offsets, allowed);
   at::Tensor out = at::empty({b.num_rows, b.vocab}, logits.options());
   b.processed = out.mutable_data_ptr<float>();
   run(b);
@@ -203,9 +217,10 @@ at::Tensor process_logits_cpu(const at::Tensor& logits, const at::Tensor& fparam
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
   m.def("sample(Tensor logits, Tensor fparams, Tensor iparams, Tensor history, Tensor history_offsets, "
-        "Tensor banned, Tensor banned_offsets, int max_logprobs) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor banned, Tensor banned_offsets, int max_logprobs, Tensor? allowed=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("process_logits(Tensor logits, Tensor fparams, Tensor iparams, Tensor history, Tensor history_offsets, "
-        "Tensor banned, Tensor banned_offsets) -> Tensor");
+        "Tensor banned, Tensor banned_offsets, Tensor? allowed=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) {

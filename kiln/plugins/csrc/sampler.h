@@ -22,6 +22,11 @@ struct SamplerBatch {
   // Row r's tokens to mask to -inf (min_tokens): banned[banned_offsets[r] .. banned_offsets[r+1]).
   const int64_t* banned;
   const int64_t* banned_offsets;  // [N + 1]
+  // Guided decoding: row r's allowed tokens, words allowed[r * allowed_words ..] with bit t % 32 of
+  // word t / 32 set where token t is allowed; the others are -inf before anything else, raw
+  // logprobs included. nullptr: every token of every row.
+  const int32_t* allowed;
+  int64_t allowed_words;
   // Outputs. processed: if set, the penalized logits [N, V] are written there and nothing is
   // sampled. Otherwise tokens [N], and for rows with logprobs chosen_logprob [N], rank [N],
   // top_ids / top_logprobs [N, max_logprobs] (the first num_logprobs of row r, best first).
@@ -42,6 +47,7 @@ struct SamplerEntry {
 // Per-thread scratch, owned by the caller, vocab elements each; counts and marks must be all zero
 // on entry (a row leaves them zero again).
 struct SamplerScratch {
+  float* masked;  // a guided row's logits with its grammar's bitmask applied
   float* values;
   float* spare;
   int32_t* index;

@@ -386,10 +386,27 @@ inline void logprobs(const SamplerBatch& b, int64_t r, const float* x, int64_t t
 
 }  // namespace
 
+// x with -inf where row r's bitmask refuses the token, into s.masked; x itself when it refuses none.
+const float* apply_allowed(const SamplerBatch& b, int64_t r, const float* x, const SamplerScratch& s) {
+  if (b.allowed == nullptr) return x;
+  const int32_t* words = b.allowed + r * b.allowed_words;
+  const int64_t V = b.vocab, full = V / 32;
+  bool all = true;
+  for (int64_t w = 0; w < full && all; ++w) all = words[w] == -1;
+  if (all && V % 32) all = (~static_cast<uint32_t>(words[full]) & ((1u << (V % 32)) - 1)) == 0;
+  if (all) return x;
+  for (int64_t w = 0; w * 32 < V; ++w) {
+    const uint32_t bits = static_cast<uint32_t>(words[w]);
+    const int64_t t0 = w * 32, n = std::min<int64_t>(32, V - t0);
+    for (int64_t i = 0; i < n; ++i) s.masked[t0 + i] = (bits >> i) & 1u ? x[t0 + i] : -std::numeric_limits<float>::infinity();
+  }
+  return s.masked;
+}
+
 void sample_rows(const SamplerBatch& b, int64_t row_begin, int64_t row_end, const SamplerScratch& s) {
   const int64_t V = b.vocab;
   for (int64_t r = row_begin; r < row_end; ++r) {
-    const float* x = b.logits + r * b.row_stride;
+    const float* x = apply_allowed(b, r, b.logits + r * b.row_stride, s);
     const float* fp = b.fparams + r * kNumFloat;
     const int64_t* ip = b.iparams + r * kNumInt;
     if (b.processed) {

@@ -16,8 +16,9 @@ import signal
 import sys
 import time
 from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import NamedTuple
 
 import torch
 
@@ -28,16 +29,19 @@ from kiln.runtime.core.sample.sampler import Sampler
 from kiln.runtime.core.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.core.spec_decode import SpecDecoder
 from kiln.runtime.core.step_plan import StepPlan, plan_step
+from kiln.runtime.core.structured_output import StructuredOutputManager
 from kiln.runtime.executor.factory import make_executor
 from kiln.runtime.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineDeadError,
                                    EngineInfo, IterationStats, Pipe, SampleDelta, SchedulerStats)
 from kiln.threads import configure_threads
 
 
-class ScheduledStep(NamedTuple):
+@dataclass
+class ScheduledStep:
     out: SchedulerOutput
     plan: StepPlan
     time: float
+    masks: Future | None = None  # its guided rows' bitmasks, being filled (structured_output.py)
 
 
 class BatchQueue:
@@ -82,6 +86,7 @@ class EngineCore:
                                                                      build.max_num_tokens),
                                    build.max_seq_len, scheduler_policy, enable_chunked_prefill)
         self.sampler = Sampler()
+        self.structured = StructuredOutputManager(engine_dir, self.executor.config.pretrained_config.vocab_size)
         self.spec = SpecDecoder.create(speculative_config, engine_dir, self.executor.config, max_batch_size)
         self.iteration_stats = IterationStats()
         # Steps in flight at once: one per pipeline stage where the executor can overlap them (not
@@ -101,7 +106,10 @@ class EngineCore:
                       forked=r.params.n == 1)
         req.sequences.append(self._new_sequence(req, 0, list(r.prompt_token_ids)))
         self.requests[r.request_id] = req
-        self.scheduler.add(req)
+        if r.params.guided_decoding is not None:
+            self.structured.add(req)  # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add(req)
 
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seed = req.params.seed
@@ -127,6 +135,7 @@ class EngineCore:
         return bool(self.requests) or bool(self.batch_queue)  # aborted requests' steps still to collect
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def stats(self) -> SchedulerStats:
@@ -139,12 +148,37 @@ class EngineCore:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        errors = self._admit_guided()
         if self.batch_queue.size > 1:
-            return self._step_with_batch_queue()
-        step = self._schedule()
-        if step is None:
-            return EngineCoreOutputs([], self.stats())
-        return self._process(step, self.executor.execute(step.plan.inputs))
+            outputs = self._step_with_batch_queue()
+        else:
+            step = self._schedule()
+            if step is None:
+                outputs = EngineCoreOutputs([], self.stats())
+            else:
+                step.masks = self._fill_masks(step)
+                outputs = self._process(step, self.executor.execute(step.plan.inputs))
+        outputs.errors += errors
+        return outputs
+
+    def _admit_guided(self) -> list[tuple[list[str], str]]:
+        """Guided requests whose grammar is compiled join the scheduler; those whose grammar failed
+        end with the reason. With nothing else to do, wait a moment for a compilation."""
+        if not self.structured.waiting:
+            return []
+        if not self.scheduler.running and not self.scheduler.waiting and not self.batch_queue:
+            self.structured.wait(0.01)
+        ready, failed = self.structured.admit()
+        for req in ready:
+            self.scheduler.add(req)
+        for req, _ in failed:
+            self.abort(req.request_id)
+        return [([req.request_id], message) for req, message in failed]
+
+    def _fill_masks(self, step: ScheduledStep):
+        """Start filling the step's grammar bitmasks, which the engine call overlaps."""
+        return self.structured.fill_async([seq for seq, _ in step.plan.sample],
+                                          [seq for seq, _ in step.plan.verify])
 
     def _step_with_batch_queue(self) -> EngineCoreOutputs:
         """Pipeline parallel: a step is submitted while up to pp_size - 1 others are still in the
@@ -159,6 +193,7 @@ class EngineCore:
             if step is not None:
                 queue.push(step)
                 self.executor.submit(step.plan.inputs)
+                step.masks = self._fill_masks(step)
                 if len(queue) < queue.size:
                     return EngineCoreOutputs([], self.stats())
         if not queue:
@@ -184,6 +219,7 @@ class EngineCore:
         """The step's logits into tokens and outputs. A sequence aborted while its step was in
         flight is skipped: its blocks are already back in the pool."""
         touched: dict[str, tuple[Request, EngineCoreOutput]] = {}
+        allowed = step.masks.result() if step.masks is not None else {}
         for seq, n in step.out.scheduled:
             if seq.finished:
                 continue
@@ -197,9 +233,10 @@ class EngineCore:
         for seq, output, rows in step.plan.prompt_rows:
             if not seq.finished:
                 output.take(logits[rows], self._output(touched, seq.request))
-        self._sample([(seq, row) for seq, row in step.plan.sample if not seq.finished], logits, touched)
+        self._sample([(seq, row) for seq, row in step.plan.sample if not seq.finished], logits, touched, allowed)
         if step.plan.verify:
-            for (seq, rows), res in zip(step.plan.verify, self.spec.verify(self.sampler, logits, step.plan.verify)):
+            verified = self.spec.verify(self.sampler, logits, step.plan.verify, allowed)
+            for (seq, rows), res in zip(step.plan.verify, verified):
                 seq.num_computed_tokens += 1 + res.num_accepted  # K/V of rejected drafts is overwritten later
                 self.kv.cache_full_blocks(seq)
                 self._emit(seq, res.token_ids, res.logprobs, touched, logits[rows])
@@ -215,25 +252,31 @@ class EngineCore:
                                                             None, False)
         return touched[req.request_id][1]
 
-    def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor, touched: dict) -> None:
-        seqs, rows, copies = [], [], []
+    def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor, touched: dict,
+                allowed: dict) -> None:
+        """allowed: the bitmask rows of the guided sequences (a forking request's samples share its
+        first sequence's: none has emitted a token yet)."""
+        seqs, rows, masks, copies = [], [], [], []
         for seq, row in to_sample:
             req = seq.request
+            mask = allowed.get(seq, [None])[0]
             if not req.forked:
                 copies.extend(self._fork(seq))
                 for s in req.sequences:
                     seqs.append(s)
                     rows.append(row)
+                    masks.append(mask)
             else:
                 seqs.append(seq)
                 rows.append(row)
+                masks.append(mask)
         self.executor.copy_blocks(copies)
         if not seqs:
             return
         # Every row in order (the common decode step): no gather copy of [rows, vocab] logits.
         picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
         result = self.sampler(picked, [SampleRow(s.request.params, s.request.prompt_token_ids, s.output_token_ids,
-                                                 s.generator, s.request.eos_token_ids) for s in seqs])
+                                                 s.generator, s.request.eos_token_ids, m) for s, m in zip(seqs, masks)])
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids)):
             lp = result.logprobs[i] if seq.request.params.logprobs is not None else None
             self._emit(seq, [token], None if lp is None else [lp], touched, picked[i:i + 1])
@@ -250,6 +293,7 @@ class EngineCore:
         for j, token in enumerate(tokens):
             seq.token_ids.append(token)
             sample.new_token_ids.append(token)
+            self.structured.accept(seq, token)
             if logprobs is not None:
                 sample.new_logprobs.append(logprobs[j])
             if sample.new_generation_logits is not None:
@@ -273,6 +317,8 @@ class EngineCore:
         for index in range(1, req.params.n):
             child = self._new_sequence(req, index, list(parent.token_ids))
             child.num_computed_tokens = parent.num_computed_tokens
+            if parent.matcher is not None:
+                child.matcher = self.structured.matcher(req)
             if per_child:
                 parent.reserved_blocks -= per_child
                 child.reserved_blocks = per_child

@@ -1,6 +1,7 @@
 """A request and its sequences in the engine core (n > 1 samples fork from one prefilled prompt)."""
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kiln.runtime.core.prompt_logits import PromptOutput, prompt_outputs
@@ -29,6 +30,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for this step, to be verified
     reserved_blocks: int = 0  # guaranteed_no_evict: blocks promised but not yet taken
     finish_reason: str | None = None
+    matcher: object = None  # guided decoding: its xgrammar GrammarMatcher (structured_output.py)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +71,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     num_draft_tokens: int = 0  # speculative decoding: proposed, and accepted by the target
     num_accepted_tokens: int = 0
+    grammar: Future | None = None  # guided decoding: its grammar, compiling or compiled (structured_output.py)
     # What it asked for at prompt positions (prompt logprobs, context logits), taken step by step.
     prompt_outputs: tuple[PromptOutput, ...] = field(init=False)
 

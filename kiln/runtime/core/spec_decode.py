@@ -26,7 +26,7 @@ import torch
 from kiln.config import ConfigError, EngineConfig
 from kiln.runtime.core.kv_cache_manager import KVCacheManager
 from kiln.runtime.core.request import Request, Sequence
-from kiln.runtime.core.sample.rows import SampleRow, call_key, draw_stream, draw_uniform, logprob_dicts
+from kiln.runtime.core.sample.rows import SampleRow, apply_allowed, call_key, draw_stream, draw_uniform, logprob_dicts
 from kiln.runtime.core.sample.torch_sampler import TorchSampler
 from kiln.runtime.core.scheduler import SchedulerOutput
 from kiln.runtime.core.step_plan import plan_step
@@ -212,15 +212,19 @@ class Verified:
     num_accepted: int
 
 
-def verify(sampler, logits: torch.Tensor, rows: list[SampleRow], drafts: list[list[int]]) -> list[Verified]:
+def verify(sampler, logits: torch.Tensor, rows: list[SampleRow], drafts: list[list[int]],
+           allowed: list[list[torch.Tensor] | None] | None = None) -> list[Verified]:
     """Each sequence's drafts against its len(drafts) + 1 logits rows (consecutive in `logits`, in
-    order); `rows` holds one SampleRow per sequence, as of before the step."""
+    order); `rows` holds one SampleRow per sequence, as of before the step; `allowed`, per sequence,
+    a guided one's grammar bitmask at each position (None: unguided)."""
     position_rows, starts = [], []
-    for row, d in zip(rows, drafts):
+    for i, (row, d) in enumerate(zip(rows, drafts)):
         starts.append(len(position_rows))
+        masks = (allowed[i] if allowed else None) or [None] * (len(d) + 1)
         for j in range(len(d) + 1):  # position j sees the drafts before it as output
             position_rows.append(SampleRow(row.params, row.prompt_token_ids, list(row.output_token_ids) + d[:j],
-                                           row.generator, row.eos_token_ids))
+                                           row.generator, row.eos_token_ids, masks[j]))
+    logits = apply_allowed(logits, position_rows)
     probs = target_probs(sampler, logits, position_rows)
     key = call_key(rows)
     results = []
@@ -287,14 +291,16 @@ class SpecDecoder:
         for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks)):
             seq.draft_token_ids = drafts
 
-    def verify(self, sampler, logits: torch.Tensor, to_verify: list[tuple[Sequence, list[int]]]) -> list[Verified]:
+    def verify(self, sampler, logits: torch.Tensor, to_verify: list[tuple[Sequence, list[int]]],
+               allowed: dict | None = None) -> list[Verified]:
         """What each sequence emits: its drafts against its logits rows (the last token's, then each
-        draft's); its drafts are cleared and the request's and the engine's counters kept."""
+        draft's); its drafts are cleared and the request's and the engine's counters kept. allowed:
+        the guided sequences' bitmask rows per position (structured_output.py)."""
         seqs = [seq for seq, _ in to_verify]
         drafts = [seq.draft_token_ids for seq in seqs]
         results = verify(sampler, logits[[r for _, rs in to_verify for r in rs]], [
             SampleRow(s.request.params, s.request.prompt_token_ids, s.output_token_ids, s.generator,
-                      s.request.eos_token_ids) for s in seqs], drafts)
+                      s.request.eos_token_ids) for s in seqs], drafts, [(allowed or {}).get(s) for s in seqs])
         stats = self.stats
         for seq, d, res in zip(seqs, drafts, results):
             seq.draft_token_ids = []

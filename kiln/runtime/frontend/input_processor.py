@@ -37,6 +37,8 @@ class InputProcessor:
         if info.blocks_needed(len(token_ids), max_tokens, params.n) > info.num_kv_blocks:
             raise ValueError(f"prompt + max_tokens ({len(token_ids) + max_tokens} tokens, n={params.n}) does not "
                              f"fit in the KV cache ({info.num_kv_blocks * info.tokens_per_block} tokens)")
+        if params.guided_decoding is not None:
+            params.guided_decoding.check()  # a guide that does not parse fails here, not in the core
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine was loaded with "
                              "skip_tokenizer_init; use stop_token_ids")

@@ -34,6 +34,9 @@ class SampleRow:
     output_token_ids: Sequence[int]  # tokens generated so far by this sequence
     generator: SeedGenerator | None = None  # a seeded request's draws; None = the process RNG
     eos_token_ids: tuple[int, ...] = ()
+    # Guided decoding: the tokens its grammar allows, a [ceil(V / 32)] int32 bitmask (bit t % 32 of
+    # word t // 32: token t), applied to the logits before anything else; None: every token.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,6 +47,22 @@ class SampleOutput:
     # Per row when params.logprobs is not None: 1-based rank of the sampled token in the raw
     # distribution (1 + number of tokens with a strictly larger logprob).
     ranks: list[int | None] = field(default_factory=list)
+
+
+def apply_allowed(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """logits with -inf where a row's grammar bitmask refuses the token: logits itself when no row
+    has one, else a copy."""
+    guided = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not guided:
+        return logits
+    V = logits.shape[1]
+    words = torch.stack([rows[i].allowed for i in guided]).to(logits.device)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, device=logits.device, dtype=words.dtype)) & 1
+    refused = bits.flatten(1)[:, :V] == 0
+    out = logits.clone()
+    index = torch.tensor(guided, device=logits.device)
+    out[index] = out[index].masked_fill(refused, float("-inf"))
+    return out
 
 
 def make_generator(seed: int, index: int = 0) -> SeedGenerator:

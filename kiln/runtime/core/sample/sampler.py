@@ -133,13 +133,25 @@ def _pack(logits: torch.Tensor, rows: Sequence[SampleRow]):
             _tensor(banned, "q", torch.int64), _tensor(banned_offsets, "q", torch.int64))
 
 
+def _allowed(rows: Sequence[SampleRow], V: int) -> torch.Tensor | None:
+    """The rows' grammar bitmasks as one [N, ceil(V / 32)] int32 tensor (-1: every token), or None
+    when no row is guided."""
+    if all(r.allowed is None for r in rows):
+        return None
+    out = torch.full((len(rows), (V + 31) // 32), -1, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        if r.allowed is not None:
+            out[i] = r.allowed
+    return out
+
+
 def cpp_sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
     if logits.dim() == 2 and logits.shape[0] == 0 == len(rows):
         return SampleOutput([], [], [])
     args = _pack(logits, rows)
     wanted = [r.params.logprobs for r in rows]
     max_n = max((n for n in wanted if n is not None), default=0)
-    tokens, chosen, ranks, top_ids, top_lp = torch.ops.kiln_cpp.sample(*args, max_n)
+    tokens, chosen, ranks, top_ids, top_lp = torch.ops.kiln_cpp.sample(*args, max_n, _allowed(rows, logits.shape[1]))
     token_ids = tokens.tolist()
     logprobs: list[dict[int, float] | None] = [None] * len(rows)
     rank_list: list[int | None] = [None] * len(rows)
@@ -157,4 +169,4 @@ def cpp_sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
 
 
 def cpp_process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    return torch.ops.kiln_cpp.process_logits(*_pack(logits, rows))
+    return torch.ops.kiln_cpp.process_logits(*_pack(logits, rows), _allowed(rows, logits.shape[1]))

@@ -15,8 +15,11 @@ Order of operations for each row, as vLLM:
 
 Draws are counter-based (rows.py).
 
+0. guided decoding (``SampleRow.allowed``): the tokens the row's grammar refuses are set to
+   ``-inf`` before anything else, as vLLM v1 applies its grammar bitmask to the logits;
+
 Logprobs (``params.logprobs``) come from ``log_softmax`` of the RAW logits (vLLM v1), before
-penalties and temperature.
+penalties and temperature (after the grammar's bitmask, step 0).
 
 ``TorchSampler`` is this spec, vectorized over the batch with torch ops: the reference the C++
 sampler (sampler.py) is held to, and the sampler wherever that one cannot run.
@@ -28,8 +31,8 @@ from typing import Sequence
 
 import torch
 
-from kiln.runtime.core.sample.rows import (SampleOutput, SampleRow, call_key, completing_bad_words, draw_stream,
-                                           draw_uniform, logprob_dicts)
+from kiln.runtime.core.sample.rows import (SampleOutput, SampleRow, apply_allowed, call_key, completing_bad_words,
+                                           draw_stream, draw_uniform, logprob_dicts)
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -70,7 +73,7 @@ class TorchSampler:
         if N == 0:
             return SampleOutput([], [], [])
         device = logits.device
-        raw = logits if logits.dtype == torch.float32 else logits.float()
+        raw = apply_allowed(logits if logits.dtype == torch.float32 else logits.float(), rows)
         params = [r.params for r in rows]
         x = self._process(raw, rows)  # `raw` itself when nothing changes it
 
@@ -116,7 +119,7 @@ class TorchSampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
                              f"got shape {tuple(logits.shape)}")
-        raw = logits.float()
+        raw = apply_allowed(logits.float(), rows)
         x = self._process(raw, rows)
         return x.clone() if x is logits else x
 

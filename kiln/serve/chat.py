@@ -10,9 +10,6 @@ from kiln.serve.serving import ChoiceStream, Serving, sse, stop_holdback, until_
 
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, request: Request):
     model = serving.model_name(req.model)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format {req.response_format.type!r} is not supported",
-                       "response_format")
     if req.tools and req.tool_choice != "none":
         raise APIError(400, "tool calling is not supported", "tools")
     if req.top_logprobs is not None and not req.logprobs:

@@ -46,6 +46,32 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+    structural_tag: dict[str, Any] | None = None  # vLLM's extension: xgrammar's structural tag
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs` request field (its StructuredOutputsParams)."""
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool | None = None
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class SamplingFields(OpenAIModel):
     """Fields both endpoints share: OpenAI's, then vLLM's extensions (sent via `extra_body`)."""
     model: str | None = None
@@ -70,6 +96,15 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(None, min_length=1)  # requests with different salts share no cached KV
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -93,17 +128,12 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIModel):
-    type: str = "text"
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # vLLM's extensions

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING
 
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import GuidedDecodingParams, SamplingParams
 from kiln.serve.metrics import ServerMetrics
 from kiln.serve.protocol import APIError, ChatMessage, SamplingFields
 
@@ -54,13 +54,14 @@ class Serving:
         fields = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                       min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
                       frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
+        guide = guided_decoding(req)
         try:
             return SamplingParams(
                 **{k: v for k, v in fields.items() if v is not None}, max_tokens=max_tokens,
                 min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output, guided_decoding=guide)
         except ValueError as e:
             raise bad_request(e) from None
 
@@ -246,6 +247,49 @@ def sse(payload) -> str:
     if not isinstance(payload, str):
         payload = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
     return f"data: {payload}\n\n"
+
+
+def guided_decoding(req: SamplingFields) -> GuidedDecodingParams | None:
+    """The request's structured-output fields as one guide: OpenAI's response_format, vLLM's
+    structured_outputs or its older guided_* fields (one of them; 400 naming the field otherwise,
+    or when the guide does not parse)."""
+    if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        raise APIError(400, f"guided_decoding_backend {req.guided_decoding_backend!r} is not available; "
+                       f"this server guides with xgrammar", "guided_decoding_backend")
+    if req.guided_whitespace_pattern is not None:
+        raise APIError(400, "guided_whitespace_pattern is not supported (xgrammar takes none); use "
+                       "structured_outputs.disable_any_whitespace", "guided_whitespace_pattern")
+    given = {}
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        given["response_format"] = dict(json_object=True)
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+        given["response_format"] = dict(json=rf.json_schema.json_schema)
+    elif rf is not None and rf.type == "structural_tag":
+        if not rf.structural_tag:
+            raise APIError(400, "response_format structural_tag needs structural_tag", "response_format")
+        given["response_format"] = dict(structural_tag=rf.structural_tag)
+    if req.structured_outputs is not None:
+        given["structured_outputs"] = {("json" if k == "json_schema" else k): v
+                                       for k, v in req.structured_outputs.model_dump(exclude_none=True).items()}
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{name}")
+        if value is not None:
+            given[f"guided_{name}"] = {name: value}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise APIError(400, f"only one structured-output field may be set, got {', '.join(given)}", next(iter(given)))
+    (param, fields), = given.items()
+    try:
+        guide = GuidedDecodingParams(**fields)
+        guide.check()
+    except ValueError as e:
+        detail = str(e).split(" is not valid: ", 1)
+        raise APIError(400, f"{param} is not valid: {detail[1]}" if len(detail) == 2 else f"{param}: {e}", param) from None
+    return guide
 
 
 def bad_request(e: Exception, prompt_param: str = "prompt") -> APIError:

@@ -357,6 +357,25 @@ def test_cancellation_frees_the_requests_blocks(server, llm, route):
     assert 0 < generated < LONG / 3 and steps < LONG / 3, (generated, steps)
 
 
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_guided_decoding(http, model):
+    """TensorRT-LLM's guided_decoding_guide_type / guided_decoding_guide inputs: the output matches
+    the guide; a guide that does not parse is an error naming it."""
+    for guide_type, guide, check in [("regex", "[0-9]{3}-[a-z]{2}", lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+                                     ("ebnf_grammar", 'root ::= "<" [a-c] [a-c]? ">"', lambda t: re.fullmatch("<[a-c]{1,2}>", t)),
+                                     ("json_schema", json.dumps({"type": "object", "properties": {"a": {"enum": [1, 2]}},
+                                                                 "required": ["a"]}),
+                                      lambda t: json.loads(t)["a"] in (1, 2))]:
+        r = http.post(f"/v2/models/{model}/generate", json={
+            "text_input": "x", "max_tokens": 24, "exclude_input_in_output": True,
+            "guided_decoding_guide_type": guide_type, "guided_decoding_guide": guide})
+        assert r.status_code == 200 and check(r.json()["text_output"]), (guide_type, r.text)
+    r = http.post(f"/v2/models/{model}/generate", json={"text_input": "x", "max_tokens": 4,
+                                                        "guided_decoding_guide_type": "regex",
+                                                        "guided_decoding_guide": "(ab"})
+    assert r.status_code == 400 and "guided_decoding_guide (regex) is not valid" in r.json()["error"], r.text
+
+
 # ------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 def test_bad_input_is_an_error_naming_it_and_the_server_keeps_serving(http, model):

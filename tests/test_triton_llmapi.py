@@ -5,6 +5,7 @@ closed stream, a cancelled gRPC stream or a `stop` request frees the engine's bl
 bad input named; model.yaml's keys checked; a non-decoupled repository answers once."""
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -169,6 +170,19 @@ def test_serving_benchmark_targets_llmapi(server, llm):
             "text_input": PROMPTS[0], "sampling_param_max_tokens": 40, "sampling_param_ignore_eos": True,
             "return_finish_reason": True})
     assert r.json()["finish_reason"] == "length"
+
+
+def test_guided_decoding(server):
+    """The layout takes the inflight_batcher_llm layout's guided_decoding_guide_type / _guide inputs."""
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        r = http.post("/v2/models/tensorrt_llm/generate", json={
+            "text_input": "x", "sampling_param_max_tokens": 24, "sampling_param_exclude_input_from_output": True,
+            "guided_decoding_guide_type": "regex", "guided_decoding_guide": "[0-9]{2}[a-z]", "return_finish_reason": True})
+        assert r.status_code == 200 and re.fullmatch("[0-9]{2}[a-z]", r.json()["text_output"]), r.text
+        assert r.json()["finish_reason"] == "stop"
+        r = http.post("/v2/models/tensorrt_llm/generate", json={"text_input": "x", "guided_decoding_guide_type": "yaml",
+                                                                "guided_decoding_guide": "a"})
+        assert r.status_code == 400 and "guided_decoding_guide_type 'yaml' is not supported" in r.json()["error"]
 
 
 @pytest.mark.parametrize("body, message", [

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import GuidedDecodingParams, SamplingParams
 from kiln.triton_backend.sampling import sampling_fields
 
 # Inputs a client may send for features the engine lacks: refused by name, never ignored.
@@ -29,7 +29,6 @@ REFUSED = {
     **dict.fromkeys(("prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_ids"),
                     "prompt tables (p-tuning) are not supported yet"),
     **dict.fromkeys(("lora_task_id", "lora_weights", "lora_config"), "LoRA adapters are not supported yet"),
-    **dict.fromkeys(("guided_decoding_guide_type", "guided_decoding_guide"), "guided decoding is not supported yet"),
     **dict.fromkeys(("runtime_top_p_min", "runtime_top_p_decay", "runtime_top_p_reset_ids"),
                     "top-p decay is not supported"),
     **dict.fromkeys(("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
@@ -42,6 +41,37 @@ PREFIX_CONTEXT = 6  # tokens of context a streamed response carries for detokeni
 
 class RequestError(ValueError):
     pass
+
+
+# TensorRT-LLM's guided_decoding_guide_type values -> GuidedDecodingParams fields ("json": any JSON object)
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar",
+               "structural_tag": "structural_tag"}
+
+
+def _text(value) -> str | None:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
+
+
+def guided_decoding(guide_type, guide) -> GuidedDecodingParams | None:
+    """The guided_decoding_guide_type / guided_decoding_guide inputs as a guide, checked."""
+    guide_type, guide = _text(guide_type), _text(guide)
+    if guide_type in (None, "", "none"):
+        if guide:
+            raise RequestError("guided_decoding_guide needs guided_decoding_guide_type")
+        return None
+    if guide_type not in GUIDE_TYPES:
+        raise RequestError(f"guided_decoding_guide_type {guide_type!r} is not supported; expected one of "
+                           f"{', '.join(GUIDE_TYPES)}")
+    field = GUIDE_TYPES[guide_type]
+    if field != "json_object" and not guide:
+        raise RequestError(f"guided_decoding_guide_type {guide_type} needs guided_decoding_guide")
+    try:
+        params = GuidedDecodingParams(**{field: True if field == "json_object" else guide})
+        params.check()
+    except ValueError as e:
+        detail = str(e).split(" is not valid: ", 1)
+        raise RequestError(f"guided_decoding_guide ({guide_type}) is not valid: {detail[-1]}") from None
+    return params
 
 
 @dataclass
@@ -64,11 +94,10 @@ def _scalar(tensors: dict, name: str, batch: int, row: int):
     if value is None:
         return None
     flat = np.asarray(value).reshape(-1)
-    if flat.size == 1:
-        return flat[0].item()
-    if flat.size != batch:
+    if flat.size != 1 and flat.size != batch:
         raise RequestError(f"{name} must hold one value per batch row ({batch}), got shape {list(np.shape(value))}")
-    return flat[row].item()
+    item = flat[0 if flat.size == 1 else row]
+    return item.item() if isinstance(item, np.generic) else item  # a STRING input's element is bytes
 
 
 def word_list(value, name: str) -> list[list[int]]:
@@ -154,7 +183,8 @@ def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool
                 stop_token_ids=stop_ids, stop=stop_texts, include_stop_str_in_output=True, bad_words_ids=bad_words,
                 logprobs=0 if get("return_log_probs", False) else None,
                 return_context_logits=bool(get("return_context_logits", False)),
-                return_generation_logits=bool(get("return_generation_logits", False)))
+                return_generation_logits=bool(get("return_generation_logits", False)),
+                guided_decoding=guided_decoding(get("guided_decoding_guide_type"), get("guided_decoding_guide")))
         except ValueError as e:
             raise RequestError(str(e)) from None
         rows.append(Row(prompt, params, streaming, bool(get("exclude_input_in_output", exclude_input_default)),

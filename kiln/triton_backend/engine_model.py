@@ -82,6 +82,8 @@ class TritonPythonModel(EngineHost):
                                        vocab_size=self.vocab_size, tokenizer=self.tokenizer)
         except RequestError as e:
             return self._send_error(sender, str(e))
+        except Exception as e:  # noqa: BLE001 - a bug here must still answer, never leave the client waiting
+            return self._send_error(sender, f"{type(e).__name__}: {e}")
         if stop:
             await self._stop(triton_id, sender)
             return

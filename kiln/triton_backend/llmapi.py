@@ -77,8 +77,9 @@ class TritonPythonModel(EngineHost):
             return self._stop(triton_id, sender)
         try:
             request = parse_request(tensors, self.decoupled)
-        except RequestError as e:
-            return sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
+        except Exception as e:  # noqa: BLE001 - a RequestError names the input; anything else must still answer
+            message = str(e) if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
+            return sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
         key = next(self.ids)
         job = self.jobs[key] = Job(triton_id, sender, f"llmapi-{key}")
         job.task = asyncio.current_task()

@@ -15,7 +15,7 @@ import numpy as np
 from kiln.config import EngineConfig
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.triton_backend.engine_io import RequestError, perf_metrics
+from kiln.triton_backend.engine_io import RequestError, guided_decoding, perf_metrics
 from kiln.triton_backend.sampling import sampling_fields
 
 DEFAULT_MAX_TOKENS = 32  # the LLM API's SamplingParams default
@@ -132,7 +132,7 @@ def _scalar(tensors: dict, name: str):
     flat = np.asarray(value).reshape(-1)
     if flat.size != 1:
         raise RequestError(f"{name} must be one value, got shape {list(np.shape(value))}")
-    item = flat[0].item()
+    item = flat[0].item() if isinstance(flat[0], np.generic) else flat[0]  # a STRING input's element is bytes
     return item.decode("utf-8", errors="replace") if isinstance(item, bytes) else item
 
 
@@ -163,7 +163,9 @@ def parse_request(tensors: dict, decoupled: bool) -> LLMAPIRequest:
             **sampling_fields(sp["top_k"], sp["top_p"], sp["temperature"]), max_tokens=max_tokens, seed=sp["seed"],
             presence_penalty=sp["presence_penalty"] or 0.0, frequency_penalty=sp["frequency_penalty"] or 0.0,
             stop=[s for s in stop if s], ignore_eos=bool(sp["ignore_eos"]),
-            logprobs=0 if flags["return_cumulative_logprob"] else None)
+            logprobs=0 if flags["return_cumulative_logprob"] else None,
+            guided_decoding=guided_decoding(_scalar(tensors, "guided_decoding_guide_type"),
+                                            _scalar(tensors, "guided_decoding_guide")))
     except ValueError as e:
         raise RequestError(f"sampling_param_{e}" if str(e).split(" ")[0] in SAMPLING else str(e)) from None
     return LLMAPIRequest(prompt, params, streaming, bool(sp["exclude_input_from_output"]),

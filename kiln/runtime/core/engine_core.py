@@ -33,7 +33,7 @@ from kiln.runtime.core.structured_output import StructuredOutputManager
 from kiln.runtime.executor.factory import make_executor
 from kiln.runtime.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineDeadError,
                                    EngineInfo, IterationStats, Pipe, SampleDelta, SchedulerStats)
-from kiln.threads import configure_threads
+from kiln.threads import available_cpus, configure_threads
 
 
 @dataclass
@@ -86,7 +86,8 @@ class EngineCore:
                                                                      build.max_num_tokens),
                                    build.max_seq_len, scheduler_policy, enable_chunked_prefill)
         self.sampler = Sampler()
-        self.structured = StructuredOutputManager(engine_dir, self.executor.config.pretrained_config.vocab_size)
+        self.structured = StructuredOutputManager(engine_dir, self.executor.config.pretrained_config.vocab_size,
+                                                  overlap=threads < available_cpus())
         self.spec = SpecDecoder.create(speculative_config, engine_dir, self.executor.config, max_batch_size)
         self.iteration_stats = IterationStats()
         # Steps in flight at once: one per pipeline stage where the executor can overlap them (not

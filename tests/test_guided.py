@@ -41,7 +41,7 @@ def engine_dir(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("guided")
     ckpt = convert_checkpoint(DEFAULT_MODEL, tmp / "ckpt", dtype="bfloat16")
-    return build_engine(ckpt, tmp / "engine", BuildConfig(max_batch_size=16, max_input_len=128, max_seq_len=512,
+    return build_engine(ckpt, tmp / "engine", BuildConfig(max_batch_size=16, max_input_len=512, max_seq_len=768,
                                                           max_num_tokens=512), log=lambda *_: None)
 
 

@@ -43,6 +43,8 @@ class ServeConfig:
     chat_template: str | None = None
     api_key: str | None = None
     max_request_body_bytes: int = 16 << 20
+    tool_call_parser: str | None = None  # kiln.serve.tools.PARSERS
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self):
         self.served_model_names = list(self.served_model_names) or [str(self.engine_dir)]
@@ -72,7 +74,8 @@ class ServerState:
             llm = AsyncLLM(c.engine_dir, on_dead=self._engine_died, **c.engine_args)
             # the server's own: tokenizers are not shared across threads
             tokenizer = None if c.engine_args.get("skip_tokenizer_init") else load_tokenizer(c.engine_dir)
-            self.serving = Serving(llm, tokenizer, c.served_model_names, self.metrics, c.chat_template)
+            self.serving = Serving(llm, tokenizer, c.served_model_names, self.metrics, c.chat_template,
+                                   c.tool_call_parser, c.enable_auto_tool_choice)
             log.info("engine %s loaded in %.1fs (ready %.1fs after the process started): serving it as %s",
                      c.engine_dir, time.monotonic() - start, time.time() - psutil.Process().create_time(),
                      ", ".join(c.served_model_names))

@@ -35,6 +35,13 @@ def _both(name: str) -> tuple[str, str]:
               help="Model name(s) clients use (default: the engine dir as given); repeatable.")
 @click.option(*_both("chat_template"), default=None,
               help="Jinja chat template (a file, or the template itself) replacing the tokenizer's.")
+@click.option(*_both("tool_call_parser"), type=click.Choice(["hermes", "llama3_json", "mistral"]), default=None,
+              help="The format the model writes tool calls in (Hermes/Qwen2.5/Qwen3, Llama 3.x JSON, Mistral): "
+                   "chat requests with `tools` get OpenAI's tool_calls parsed out of it, and `required` or a named "
+                   "tool_choice are enforced by a grammar.")
+@click.option(*_both("enable_auto_tool_choice"), is_flag=True, default=False,
+              help="Let the model decide whether to call a tool (tool_choice auto, the default with tools); "
+                   "needs --tool-call-parser.")
 @click.option(*_both("max_request_body_bytes"), type=int, default=16 << 20, show_default=True,
               help="Larger request bodies get 413.")
 @click.option(*_both("drain_timeout"), type=float, default=30.0, show_default=True,
@@ -65,8 +72,8 @@ def _both(name: str) -> tuple[str, str]:
 @click.option(*_both("log_level"), type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @click.option("--access_log/--no_access_log", "--access-log/--no-access-log", default=True, show_default=True)
-def serve(engine_dir, host, port, api_key, served_model_names, chat_template, max_request_body_bytes,
-          drain_timeout, log_level, access_log, **engine_args):
+def serve(engine_dir, host, port, api_key, served_model_names, chat_template, tool_call_parser, enable_auto_tool_choice,
+          max_request_body_bytes, drain_timeout, log_level, access_log, **engine_args):
     """Serve an engine with OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /tokenize, /detokenize, /health, /version and Prometheus /metrics."""
     from prometheus_client import disable_created_metrics
@@ -95,10 +102,14 @@ def serve(engine_dir, host, port, api_key, served_model_names, chat_template, ma
             SpeculativeConfig.from_dict(engine_args["speculative_config"])
         except (ValueError, ConfigError) as e:
             raise click.BadParameter(str(e), param_hint="--speculative_config") from None
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise click.BadParameter("needs --tool-call-parser (the format the model writes calls in)",
+                                 param_hint="--enable-auto-tool-choice")
     if max_request_body_bytes < 1 or drain_timeout < 0:
         raise click.BadParameter("--max_request_body_bytes must be >= 1 and --drain_timeout >= 0")
     config = ServeConfig(engine_dir, {k: v for k, v in engine_args.items() if v is not None},
-                         served_model_names, chat_template, api_key, max_request_body_bytes)
+                         served_model_names, chat_template, api_key, max_request_body_bytes, tool_call_parser,
+                         enable_auto_tool_choice)
     state = ServerState(config)
     server = DrainingServer(uvicorn.Config(build_app(config, state), host=host, port=port, log_level=log_level,
                                            access_log=access_log, timeout_graceful_shutdown=3),

@@ -122,10 +122,23 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class ToolCallFunction(OpenAIModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(OpenAIModel):
+    id: str | None = None
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -135,7 +148,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -212,6 +226,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -12,6 +12,7 @@ from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.sampling_params import GuidedDecodingParams, SamplingParams
 from kiln.serve.metrics import ServerMetrics
 from kiln.serve.protocol import APIError, ChatMessage, SamplingFields
+from kiln.serve.tools import PARSERS
 
 if TYPE_CHECKING:
     from kiln.runtime.frontend.async_llm import AsyncLLM
@@ -28,10 +29,13 @@ class ClientDisconnected(Exception):
 
 class Serving:
     def __init__(self, llm: "AsyncLLM", tokenizer, model_names: list[str], metrics: ServerMetrics,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False):
         self.llm, self.tokenizer, self.metrics = llm, tokenizer, metrics
         self.model_names = model_names
         self.chat_template = chat_template
+        self.tool_parser = None if tool_call_parser is None else PARSERS[tool_call_parser]()
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         self.max_model_len = llm.build_config.max_seq_len
         self.vocab_size = llm.model_config.vocab_size
         self.token_str = functools.lru_cache(maxsize=1 << 16)(self._token_str)
@@ -46,7 +50,10 @@ class Serving:
         return requested
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, tool_guide: GuidedDecodingParams | None = None
+                        ) -> SamplingParams:
+        """tool_guide: the grammar of a required or named tool_choice, which takes the place of the
+        request's own structured-output fields (none may be set then)."""
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
         if req.stream_options is not None and not req.stream:
@@ -55,6 +62,11 @@ class Serving:
                       min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
                       frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
         guide = guided_decoding(req)
+        if tool_guide is not None:
+            if guide is not None:
+                raise APIError(400, "a required or named tool_choice cannot be combined with response_format or "
+                               "structured outputs", "tool_choice")
+            guide = tool_guide
         try:
             return SamplingParams(
                 **{k: v for k, v in fields.items() if v is not None}, max_tokens=max_tokens,
@@ -86,7 +98,8 @@ class Serving:
                            f"tokenizer): send the prompt as token ids to /v1/completions", param)
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, kwargs: dict | None = None) -> dict:
+                    continue_final_message: bool = False, kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> dict:
         self.need_tokenizer("chat messages need the tokenizer's chat template", "messages")
         if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "the model's tokenizer has no chat template: use /v1/completions, or "
@@ -96,10 +109,17 @@ class Serving:
             content = m.content
             if isinstance(content, list):
                 content = "\n".join(part.text for part in content)
-            conversation.append({"role": m.role, "content": content or ""})
+            message = {"role": m.role, "content": content or ""}
+            if m.tool_calls:  # as transformers' templates take them: arguments as a dict
+                message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                    "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+            for key in ("tool_call_id", "name"):
+                if getattr(m, key) is not None:
+                    message[key] = getattr(m, key)
+            conversation.append(message)
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, chat_template=self.chat_template, tokenize=False,
+                conversation, chat_template=self.chat_template, tokenize=False, tools=tools,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message, **(kwargs or {}))
         except Exception as e:  # the template raised (jinja's raise_exception, a bad role ...)
@@ -247,6 +267,20 @@ def sse(payload) -> str:
     if not isinstance(payload, str):
         payload = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
     return f"data: {payload}\n\n"
+
+
+def _arguments(arguments: str | dict) -> dict:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        raise APIError(400, f"a tool call's function.arguments must be a JSON object, got {arguments[:200]!r}",
+                       "messages") from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"a tool call's function.arguments must be a JSON object, got {arguments[:200]!r}",
+                       "messages")
+    return value
 
 
 def guided_decoding(req: SamplingFields) -> GuidedDecodingParams | None:

@@ -43,7 +43,8 @@ def smollm_with_bpe(out: Path) -> Path:
     throughput = load(Path(__file__).parent / "throughput.py", "throughput")
     train = load(ROOT / "examples" / "train_default_model.py", "train_default_model")
     _, files = train.stdlib_files()
-    tokenizer = train.train_tokenizer([f.read_text(errors="replace") for f in files], throughput.SMOLLM_135M["vocab_size"])
+    texts = [f.read_text(errors="replace") for f in files]
+    tokenizer = train.train_tokenizer(texts, throughput.SMOLLM_135M["vocab_size"])
     eot = tokenizer.convert_tokens_to_ids(train.EOT)
     config = LlamaConfig(**{**throughput.SMOLLM_135M, "bos_token_id": eot, "eos_token_id": eot},
                          architectures=["LlamaForCausalLM"])
@@ -103,8 +104,8 @@ def main():
         return [{"prompt_token_ids": torch.randint(3, vocab, (32,), generator=g).tolist()} for _ in range(args.batch)]
 
     # 1. batch decode, guided against unguided
-    long_list = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 6},
-                                                            "minItems": args.min_items}}, "required": ["items"]}
+    items = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": args.min_items}
+    long_list = {"type": "object", "properties": {"items": items}, "required": ["items"]}
     guide = Guide(json=long_list)
     plain = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, seed=0)
     guided = SamplingParams(temperature=1.0, max_tokens=args.output_len, seed=0, guided_decoding=guide)

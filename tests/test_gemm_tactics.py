@@ -124,7 +124,8 @@ def test_int8_activations_and_quantized_lm_head(hf_model, tmp_path):
     fast = _build(ckpt, tmp_path / "fast")
     int4_head = _build(ckpt, tmp_path / "int4_head", quantize_lm_head="int4")
     assert fast["int8_activations"] and not plain["int8_activations"]
-    assert (plain["quantize_lm_head"], fast["quantize_lm_head"], int4_head["quantize_lm_head"]) == ("none", "int8", "int4")
+    heads = (plain["quantize_lm_head"], fast["quantize_lm_head"], int4_head["quantize_lm_head"])
+    assert heads == ("none", "int8", "int4")
 
     def head_format(config):
         return next(k for k in config["gemm_tactics"] if "_f32out" in k).split("_")[2]

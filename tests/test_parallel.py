@@ -175,7 +175,7 @@ def test_micro_batches_share_the_batch(parallel_engine):
         sizes = []
         while engine.has_unfinished_requests():
             engine.step()
-            sizes.append([len(out.scheduled) for out, _, _ in core.batch_queue])
+            sizes.append([len(step.out.scheduled) for step in core.batch_queue])
         assert sizes[0] == [2] and sizes[1] == [2]  # the first two steps: 2 of the 4 batch slots each
         assert max(len(s) for s in sizes) == 1 and core.kv.pool.num_free == core.kv.pool.num_blocks
     finally:

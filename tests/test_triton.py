@@ -361,11 +361,11 @@ def test_cancellation_frees_the_requests_blocks(server, llm, route):
 def test_guided_decoding(http, model):
     """TensorRT-LLM's guided_decoding_guide_type / guided_decoding_guide inputs: the output matches
     the guide; a guide that does not parse is an error naming it."""
+    schema = json.dumps({"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]})
     for guide_type, guide, check in [("regex", "[0-9]{3}-[a-z]{2}", lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
-                                     ("ebnf_grammar", 'root ::= "<" [a-c] [a-c]? ">"', lambda t: re.fullmatch("<[a-c]{1,2}>", t)),
-                                     ("json_schema", json.dumps({"type": "object", "properties": {"a": {"enum": [1, 2]}},
-                                                                 "required": ["a"]}),
-                                      lambda t: json.loads(t)["a"] in (1, 2))]:
+                                     ("ebnf_grammar", 'root ::= "<" [a-c] [a-c]? ">"',
+                                      lambda t: re.fullmatch("<[a-c]{1,2}>", t)),
+                                     ("json_schema", schema, lambda t: json.loads(t)["a"] in (1, 2))]:
         r = http.post(f"/v2/models/{model}/generate", json={
             "text_input": "x", "max_tokens": 24, "exclude_input_in_output": True,
             "guided_decoding_guide_type": guide_type, "guided_decoding_guide": guide})

@@ -177,7 +177,8 @@ def test_guided_decoding(server):
     with httpx.Client(base_url=server.url, timeout=120) as http:
         r = http.post("/v2/models/tensorrt_llm/generate", json={
             "text_input": "x", "sampling_param_max_tokens": 24, "sampling_param_exclude_input_from_output": True,
-            "guided_decoding_guide_type": "regex", "guided_decoding_guide": "[0-9]{2}[a-z]", "return_finish_reason": True})
+            "guided_decoding_guide_type": "regex", "guided_decoding_guide": "[0-9]{2}[a-z]",
+            "return_finish_reason": True})
         assert r.status_code == 200 and re.fullmatch("[0-9]{2}[a-z]", r.json()["text_output"]), r.text
         assert r.json()["finish_reason"] == "stop"
         r = http.post("/v2/models/tensorrt_llm/generate", json={"text_input": "x", "guided_decoding_guide_type": "yaml",

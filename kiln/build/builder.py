@@ -145,7 +145,8 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
     if pretrained.mapping.tp_size > 1:
         # TensorRT-LLM's name for its collectives plugin: the graph calls kiln_cpp::all_reduce/all_gather.
         build.plugin_config["nccl_plugin"] = "cpp"
-    build.quantize_lm_head = lm_head_quantization(build.quantize_lm_head, pretrained, build.plugin_config["gemm_plugin"])
+    build.quantize_lm_head = lm_head_quantization(build.quantize_lm_head, pretrained,
+                                                  build.plugin_config["gemm_plugin"])
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:

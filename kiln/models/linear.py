@@ -172,7 +172,8 @@ def packed_lm_head(config: PretrainedConfig, weight: torch.Tensor, quantize: str
         algo = config.quantization.quant_algo
         g = config.quantization.group_size if algo in INT4_ALGOS else next((g for g in (64, 32) if k % g == 0), 0)
         if not g or k % g:
-            raise ConfigError(f"an int4 lm_head needs a group size dividing hidden_size ({k}); use --quantize_lm_head int8")
+            raise ConfigError(f"an int4 lm_head needs a group size dividing hidden_size ({k}); "
+                              f"use --quantize_lm_head int8")
         scale = (w.view(n, -1, g).abs().amax(-1) / 7).clamp(min=1e-10)  # ModelOpt's int4 RTN: amax / 7
         q = (w.view(n, -1, g) / scale[..., None]).round().clamp(-8, 7).view(n, -1)
         packed, scales = gemm.pack_int4(q, scale, g)

@@ -121,8 +121,9 @@ class LlamaForCausalLM(nn.Module):
     def _embed(self, input_ids):
         if self.vocab_embedding is None:  # tied to the packed lm_head
             head, dtype = self.lm_head, torch_dtype(self.config.dtype)
-            return self.tp.embedding(lambda ids: gemm.embedding(head.weight, ids, self.vocab_rows, self.config.hidden_size,
-                                                                head.scale, head.group_size, dtype), input_ids)
+            return self.tp.embedding(lambda ids: gemm.embedding(
+                head.weight, ids, self.vocab_rows, self.config.hidden_size, head.scale, head.group_size, dtype),
+                input_ids)
         return self.tp.embedding(lambda ids: F.embedding(ids, self.vocab_embedding), input_ids)
 
     def forward(self, input_ids, positions, slot_mapping, ctx_token_index, ctx_block_tables,

@@ -35,8 +35,8 @@ CSRC = Path(__file__).parent / "csrc"
 # Registration first: on ELF the linker keeps the first copy of an inline function it meets, so
 # code shared with the AVX2/AVX-512 files comes from a file built without those target options.
 SOURCES = ("paged_attention.cpp", "gemm.cpp", "thread_pool.cpp", "cpu_features.cpp", "kernels_default.cpp",
-           "kernels_avx2.cpp", "paged_attention_avx512.cpp", "gemm_avx512.cpp", "gemm_amx.cpp", "attention_bf16.cpp", "sampler.cpp", "all_reduce.cpp",
-           "elementwise.cpp")
+           "kernels_avx2.cpp", "paged_attention_avx512.cpp", "gemm_avx512.cpp", "gemm_amx.cpp", "attention_bf16.cpp",
+           "sampler.cpp", "all_reduce.cpp", "elementwise.cpp")
 HEADERS = ("paged_attention.h", "paged_attention_kernel.h", "paged_attention_x86.h", "gemm.h", "gemm_kernel.h",
            "gemm_avx512.h", "sampler.h", "sampler_kernel.h", "vec_common.h", "thread_pool.h",
            "elementwise.h", "elementwise_kernel.h")

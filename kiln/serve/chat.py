@@ -42,7 +42,8 @@ def tool_plan(serving: Serving, req: ChatCompletionRequest) -> tuple[ToolParser 
         if name not in schemas:
             raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools "
                            f"({', '.join(schemas)})", "tool_choice")
-    guide = GuidedDecodingParams(grammar=forced_calls_grammar(parser, schemas, name, req.parallel_tool_calls is not False))
+    parallel = req.parallel_tool_calls is not False
+    guide = GuidedDecodingParams(grammar=forced_calls_grammar(parser, schemas, name, parallel))
     try:
         guide.check()
     except ValueError as e:

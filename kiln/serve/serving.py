@@ -322,7 +322,8 @@ def guided_decoding(req: SamplingFields) -> GuidedDecodingParams | None:
         guide.check()
     except ValueError as e:
         detail = str(e).split(" is not valid: ", 1)
-        raise APIError(400, f"{param} is not valid: {detail[1]}" if len(detail) == 2 else f"{param}: {e}", param) from None
+        message = f"{param} is not valid: {detail[1]}" if len(detail) == 2 else f"{param}: {e}"
+        raise APIError(400, message, param) from None
     return guide
 
 

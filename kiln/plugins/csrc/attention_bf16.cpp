@@ -146,7 +146,9 @@ inline void scores_tile(const Tile& t, const uint16_t* kp, int64_t token_stride,
   }
   const __m512 vm = _mm512_set1_ps(mul);
   for (int k = 0; k < KR; ++k)
-    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(t.s + (k0 + k) * t.width + (c0 + j) * L, _mm512_mul_ps(acc[k][j], vm));
+    for (int j = 0; j < NP; ++j) {
+      _mm512_storeu_ps(t.s + (k0 + k) * t.width + (c0 + j) * L, _mm512_mul_ps(acc[k][j], vm));
+    }
 }
 
 template <int NP>

@@ -453,6 +453,23 @@ void gather_rows(const void* packed, const int64_t* ids, void* rows, int64_t cou
   });
 }
 
+// ids as a contiguous int64 tensor, each a row of an n-row table.
+at::Tensor checked_ids(const at::Tensor& ids, int64_t n, const char* op) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong, op, "ids must be int64, got ", ids.scalar_type());
+  at::Tensor idc = ids.contiguous();
+  const int64_t* id = idc.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < idc.numel(); ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, op, "token id ", id[i], " is outside the vocabulary [0, ", n, ")");
+  }
+  return idc;
+}
+
+std::vector<int64_t> rows_shape(const at::Tensor& ids, int64_t k) {
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  return shape;
+}
+
 at::Tensor embedding_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_t n, int64_t k) {
   constexpr const char* op = "kiln_cpp::embedding: ";
   TORCH_CHECK(packed.element_size() == 2 || packed.element_size() == 4, op,
@@ -463,16 +480,10 @@ at::Tensor embedding_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_
   TORCH_CHECK(packed.size(1) == panel_rows_for(format_of(packed), K), op, "k = ", K, " does not match the table ",
               packed.sizes());
   TORCH_CHECK(n > 0 && n <= packed.size(0) * kPanel, op, "n = ", n, " rows do not fit ", packed.size(0), " panels");
-  TORCH_CHECK(ids.scalar_type() == at::kLong, op, "ids must be int64, got ", ids.scalar_type());
-  const at::Tensor idc = ids.contiguous();
+  const at::Tensor idc = checked_ids(ids, n, op);
   const int64_t count = idc.numel();
   const int64_t* id = idc.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < n, op, "token id ", id[i], " is outside the vocabulary [0, ", n, ")");
-  }
-  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-  shape.push_back(K);
-  at::Tensor out = at::empty(shape, packed.options());
+  at::Tensor out = at::empty(rows_shape(ids, K), packed.options());
   if (packed.element_size() == 2) {
     gather_rows<uint16_t>(packed.const_data_ptr(), id, out.mutable_data_ptr(), count, K, packed.size(1), layout.k_per_row);
   } else {
@@ -489,7 +500,8 @@ void dequant_rows(const at::Tensor& packed, const float* scale, const int64_t* i
                   int64_t K, int64_t group_size) {
   const int64_t panel_rows = packed.size(1), padded = packed.size(0) * kPanel;
   const bool int4 = packed.scalar_type() == at::kByte;
-  kiln::pool::parallel_for(0, count, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
+  kiln::pool::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = ids[i], at = (row / kPanel) * panel_rows * 4 * kPanel + (row % kPanel) * 4;
       Out* dst = out + i * K;
@@ -502,7 +514,9 @@ void dequant_rows(const at::Tensor& packed, const float* scale, const int64_t* i
         }
       } else {
         const int8_t* q = packed.const_data_ptr<int8_t>() + at;
-        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<Out>(static_cast<float>(q[k / 4 * 4 * kPanel + k % 4]) * scale[row]);
+        for (int64_t k = 0; k < K; ++k) {
+          dst[k] = static_cast<Out>(static_cast<float>(q[k / 4 * 4 * kPanel + k % 4]) * scale[row]);
+        }
       }
     }
   });
@@ -512,8 +526,8 @@ at::Tensor embedding_dequant_cpu(const at::Tensor& packed, const at::Tensor& sca
                                  int64_t k, int64_t group_size, at::ScalarType dtype) {
   constexpr const char* op = "kiln_cpp::embedding_dequant: ";
   const WeightFormat format = format_of(packed);
-  TORCH_CHECK(format == WeightFormat::Int8 || format == WeightFormat::Int4, op, "table must be int8 or uint8 (int4), got ",
-              packed.scalar_type());
+  TORCH_CHECK(format == WeightFormat::Int8 || format == WeightFormat::Int4, op,
+              "table must be int8 or uint8 (int4), got ", packed.scalar_type());
   check_packed(packed, op, "table", layout_of(format).width);
   TORCH_CHECK(k > 0 && packed.size(1) == panel_rows_for(format, k), op, "k = ", k, " does not match the table ",
               packed.sizes());
@@ -522,25 +536,21 @@ at::Tensor embedding_dequant_cpu(const at::Tensor& packed, const at::Tensor& sca
   const at::Tensor sc = scale.to(at::kFloat).contiguous();
   if (format == WeightFormat::Int4) {
     TORCH_CHECK(group_size > 0 && k % group_size == 0 && sc.numel() == k / group_size * padded, op,
-                "an int4 table needs scale [k / group_size, panels * 16] = [", group_size > 0 ? k / group_size : 0, ", ",
-                padded, "], got ", sc.sizes(), " with group_size ", group_size);
+                "an int4 table needs scale [k / group_size, panels * 16] = [", group_size > 0 ? k / group_size : 0,
+                ", ", padded, "], got ", sc.sizes(), " with group_size ", group_size);
   } else {
     TORCH_CHECK(sc.numel() == padded, op, "an int8 table needs scale [panels * 16] = [", padded, "], got ", sc.sizes());
   }
-  TORCH_CHECK(ids.scalar_type() == at::kLong, op, "ids must be int64, got ", ids.scalar_type());
-  const at::Tensor idc = ids.contiguous();
+  const at::Tensor idc = checked_ids(ids, n, op);
   const int64_t count = idc.numel();
   const int64_t* id = idc.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < n, op, "token id ", id[i], " is outside the vocabulary [0, ", n, ")");
-  }
-  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-  shape.push_back(k);
-  at::Tensor out = at::empty(shape, packed.options().dtype(dtype));
+  at::Tensor out = at::empty(rows_shape(ids, k), packed.options().dtype(dtype));
   const float* s = sc.const_data_ptr<float>();
   switch (out_type_of(dtype)) {
     case OutType::Float: dequant_rows(packed, s, id, out.mutable_data_ptr<float>(), count, k, group_size); break;
-    case OutType::BFloat16: dequant_rows(packed, s, id, out.mutable_data_ptr<c10::BFloat16>(), count, k, group_size); break;
+    case OutType::BFloat16:
+      dequant_rows(packed, s, id, out.mutable_data_ptr<c10::BFloat16>(), count, k, group_size);
+      break;
     case OutType::Half: dequant_rows(packed, s, id, out.mutable_data_ptr<c10::Half>(), count, k, group_size); break;
   }
   return out;

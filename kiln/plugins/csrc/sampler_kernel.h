@@ -398,7 +398,9 @@ const float* apply_allowed(const SamplerBatch& b, int64_t r, const float* x, con
   for (int64_t w = 0; w * 32 < V; ++w) {
     const uint32_t bits = static_cast<uint32_t>(words[w]);
     const int64_t t0 = w * 32, n = std::min<int64_t>(32, V - t0);
-    for (int64_t i = 0; i < n; ++i) s.masked[t0 + i] = (bits >> i) & 1u ? x[t0 + i] : -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) {
+      s.masked[t0 + i] = (bits >> i) & 1u ? x[t0 + i] : -std::numeric_limits<float>::infinity();
+    }
   }
   return s.masked;
 }

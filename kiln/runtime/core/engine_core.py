@@ -177,7 +177,7 @@ class EngineCore:
         return [([req.request_id], message) for req, message in failed]
 
     def _fill_masks(self, step: ScheduledStep):
-        """Start filling the step's grammar bitmasks, which the engine call overlaps."""
+        """The step's grammar bitmasks: filled now, or started on a thread that the engine call overlaps."""
         return self.structured.fill_async([seq for seq, _ in step.plan.sample],
                                           [seq for seq, _ in step.plan.verify])
 

@@ -9,9 +9,10 @@ vLLM use it).
   samples fork with fresh ones: they have emitted nothing yet). A preempted sequence keeps its
   matcher: recomputing its K/V changes none of its tokens.
 - The bitmasks of a step are filled, on a thread while the engine computes the step's logits where
-  a core is free for it (xgrammar releases the GIL), else before the step: one row per sampled guided
-  sequence and, for a speculating one, one per draft position: the drafts are accepted into the matcher to fill the next position's row,
-  then rolled back; the verification then accepts what it emits.
+  a core is free for it (xgrammar releases the GIL), else before the step: one row per sampled
+  guided sequence and, for a speculating one, one per draft position (the drafts are accepted into
+  the matcher to fill the next position's row, then rolled back; the verification then accepts
+  what it emits).
 
 Tokenizing belongs to the frontend, but a grammar compiles against the token strings: the manager
 loads the engine's tokenizer (once, on the first guided request).
@@ -127,7 +128,8 @@ class StructuredOutputManager:
         bitmask = xgr.allocate_token_bitmask(rows, self.vocab_size)
         out, r = {}, 0
         for seq in sampled:
-            seq.matcher.fill_next_token_bitmask(bitmask, r)
+            if not seq.matcher.is_terminated():  # ended (ignore_eos went past its end): anything goes
+                seq.matcher.fill_next_token_bitmask(bitmask, r)
             out[seq] = [bitmask[r]]
             r += 1
         for seq in verified:

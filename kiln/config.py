@@ -210,6 +210,9 @@ class BuildConfig:
     max_seq_len: int = 1024
     max_num_tokens: int = 1024
     tokens_per_block: int = 32
+    # The widest beam search a request may ask for (TensorRT-LLM's flag and default); each beam is a
+    # sequence of the batch, so nothing compiled depends on it.
+    max_beam_width: int = 1
     kv_cache_dtype: str | None = None  # None: the model's dtype
     backend: str = "aoti"
     max_autotune: bool | None = None  # None: on where it pays (aoti with bf16/fp16 weights)
@@ -254,13 +257,17 @@ class BuildConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r} is not supported; expected one of {', '.join(BACKENDS)}")
-        for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block"):
+        for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block",
+                     "max_beam_width"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_input_len > self.max_seq_len:
             raise ConfigError(
                 f"max_input_len ({self.max_input_len}) must not exceed max_seq_len ({self.max_seq_len})"
             )
+        if self.max_beam_width > self.max_batch_size:
+            raise ConfigError(f"max_beam_width ({self.max_beam_width}) must not exceed max_batch_size "
+                              f"({self.max_batch_size}): every beam takes a batch slot")
         if self.max_num_tokens < self.max_batch_size:
             raise ConfigError(
                 f"max_num_tokens ({self.max_num_tokens}) must be >= max_batch_size ({self.max_batch_size})"

@@ -87,7 +87,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def engine_dir(engine):
-    return engine("llama")
+    return engine("llama", max_beam_width=4)
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +239,25 @@ def test_stop_seed_n_penalties(client, llm):
     assert [c.text for c in a.choices] == [o.text for o in ref.outputs]
 
 
+def test_beam_search_equals_llm_generate(client, llm):
+    """vLLM's beam search fields: best_of beams, the n best returned, streamed or not."""
+    beam = dict(use_beam_search=True, length_penalty=0.5, early_stopping=True)
+    ref = llm.generate(PROMPTS[2], SamplingParams(n=2, best_of=4, max_tokens=MAX_TOKENS, **beam))[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, n=2, best_of=4,
+                                    extra_body=beam)
+    assert [c.text for c in out.choices] == [c.text for c in ref.outputs]
+    chunks = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, n=2, best_of=4,
+                                       extra_body=beam, stream=True)
+    texts = ["", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in ref.outputs]
+    messages = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, n=3, extra_body=beam)
+    assert len(out.choices) == 3 and len({c.message.content for c in out.choices}) == 3  # distinct beams
+
+
 # ------------------------------------------------------------------------------- under load
 def test_128_concurrent_streams(server, llm):
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS) % 3) for i in range(128)]
@@ -338,6 +357,9 @@ def error_of(r: httpx.Response, status: int) -> dict:
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": {"text": "x"}}, 400, "prompt"),
+    ({"prompt": "x", "use_beam_search": True, "n": 2, "top_p": 0.5}, 400, "use_beam_search"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "x", "use_beam_search": True, "n": 8}, 400, None),  # over max_beam_width (4)
 ])
 def test_bad_completions(http, body, status, param):
     err = error_of(http.post("/v1/completions", json={"model": MODEL, **body}), status)

@@ -39,7 +39,7 @@ LONG = 900  # tokens a cancelled request asks for (the engine's max_seq_len is 1
 # ----------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def engine_dir(engine):
-    return engine("llama", max_seq_len=1024)  # room for requests that run until cancelled
+    return engine("llama", max_seq_len=1024, max_beam_width=4)  # room for requests that run until cancelled
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +188,38 @@ def test_non_streaming_outputs_logits_and_perf_metrics(server, llm):
     assert 0 < m["arrival_time_ns"] <= m["first_scheduled_time_ns"] <= m["first_token_time_ns"] \
         <= m["last_token_time_ns"]
     stream.close()
+
+
+def test_beam_search_in_tensorrt_llm_shapes(server, http, llm):
+    """beam_width 4: one response holding four beams, best first, in TensorRT-LLM's shapes, equal to
+    LLM.generate's beam search (held to HF by tests/test_beam_search.py); through the ensemble, four
+    texts."""
+    tok = llm.get_tokenizer()
+    prompt = tok.encode(PROMPTS[1])
+    ref = llm.generate({"prompt_token_ids": prompt}, SamplingParams(use_beam_search=True, n=4, max_tokens=MAX_TOKENS,
+                                                                    length_penalty=0.5, logprobs=0))[0]
+    beams = [c.token_ids[:-1] if c.finish_reason == "stop" and c.stop_reason is None else c.token_ids
+             for c in ref.outputs]
+    stream = Stream(server)
+    r = stream.call("tensorrt_llm", engine_inputs(prompt, MAX_TOKENS, beam_width=4, len_penalty=0.5,
+                                                   return_log_probs=True),
+                    ["output_ids", "sequence_length", "cum_log_probs", "output_log_probs"])
+    ids, lengths = r.as_numpy("output_ids"), r.as_numpy("sequence_length")
+    assert ids.shape == (1, 4, len(prompt) + max(map(len, beams))) and lengths.shape == (1, 4)
+    assert [ids[0, i, :lengths[0, i]].tolist() for i in range(4)] == [prompt + b for b in beams]
+    assert r.as_numpy("cum_log_probs")[0].tolist() == pytest.approx([c.cumulative_logprob for c in ref.outputs],
+                                                                     abs=1e-5)
+    lps = r.as_numpy("output_log_probs")
+    assert lps.shape[:2] == (1, 4)
+    assert lps[0, 0, :len(beams[0])].sum() == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-4)
+    with pytest.raises(Exception, match=r"beam_width must be in \[1, 4\]"):
+        stream.call("tensorrt_llm", engine_inputs(prompt, MAX_TOKENS, beam_width=8))
+    stream.close()
+    body = {"text_input": PROMPTS[1], "max_tokens": MAX_TOKENS, "beam_width": 4, "len_penalty": 0.5,
+            "exclude_input_in_output": True}
+    r = http.post("/v2/models/ensemble/generate", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == [c.text for c in ref.outputs]
 
 
 def test_streamed_logits_and_token_counts_as_tensorrt_llm_streams_them(server, llm):

@@ -119,7 +119,10 @@ def grpc_inputs(**arrays) -> list:
 
 
 def engine_inputs(ids: list[int], max_tokens: int, **extra) -> list:
-    scalars = {k: np.array([[v]], dtype=bool if isinstance(v, bool) else np.int32) for k, v in extra.items()}
+    def dtype(v):
+        return bool if isinstance(v, bool) else np.float32 if isinstance(v, float) else np.int32
+
+    scalars = {k: np.array([[v]], dtype=dtype(v)) for k, v in extra.items()}
     return grpc_inputs(input_ids=np.array([ids], np.int32), input_lengths=np.array([[len(ids)]], np.int32),
                        request_output_len=np.array([[max_tokens]], np.int32), **scalars)
 

@@ -14,6 +14,8 @@ BUILD_OPTIONS = [
                  help="Most tokens in one engine step (prefill chunks + decodes)."),
     click.option("--tokens_per_block", type=int, default=32, show_default=True,
                  help="Tokens per paged-KV block."),
+    click.option("--max_beam_width", type=int, default=1, show_default=True,
+                 help="Widest beam search a request may ask for (1: none). Each beam takes a batch slot."),
     click.option("--backend", type=click.Choice(BACKENDS), default="aoti", show_default=True,
                  help="aoti: AOTInductor-compiled package; eager: the exported program, uncompiled."),
     click.option("--max_autotune/--no_max_autotune", default=None,

@@ -53,6 +53,7 @@ class SampleDelta:
     finish_reason: str | None = None  # "stop" (EOS, a stop token id), "length", "abort"
     stop_reason: int | None = None  # the stop token id
     new_generation_logits: list[torch.Tensor] | None = None  # return_generation_logits: a row per token
+    cumulative_logprob: float | None = None  # beam search: the hypothesis's, sent whole when the search ends
 
 
 @dataclass
@@ -161,10 +162,11 @@ class EngineInfo:
     threads: int
     enable_prefix_caching: bool
 
-    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
-        """The KV blocks a request must be able to hold at once to ever finish."""
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int, together: bool = False) -> int:
+        """The KV blocks a request must be able to hold at once to ever finish (together: its n
+        sequences all at once, as a beam search's beams step)."""
         tpb, total = self.tokens_per_block, num_prompt_tokens + max_tokens
-        if self.scheduler_policy == "guaranteed_no_evict":
+        if self.scheduler_policy == "guaranteed_no_evict" or together:
             return request_blocks(num_prompt_tokens, total, n, tpb)[0]
         # samples may take turns (preemption), but the fork needs the prompt + n - 1 blocks at once
         return max(blocks_for(total, tpb), blocks_for(num_prompt_tokens, tpb) + n - 1)

@@ -136,6 +136,11 @@ class SamplingParams:
     ``return_context_logits`` / ``return_generation_logits`` (TensorRT-LLM's names) return the raw
     logits at every prompt position (``RequestOutput.context_logits``) and the logits each output
     token was sampled from (``CompletionOutput.generation_logits``).
+    ``use_beam_search`` (TensorRT-LLM's and vLLM's names): a beam search of width ``best_of`` (default
+    ``n``) returning its ``n`` best hypotheses, best first, scored by ``cumulative_logprob /
+    len ** length_penalty`` with Hugging Face's ``early_stopping`` (True, False or ``"never"``); the
+    beams are scored on ``log_softmax(logits / temperature)`` (0 and 1: the model's own), and the
+    outputs arrive once the search is done (``logprobs=0``: with each token's log-probability).
     Invalid values raise ``ValueError`` naming the field, the value and what was expected.
     """
 
@@ -161,6 +166,10 @@ class SamplingParams:
     return_context_logits: bool = False
     return_generation_logits: bool = False
     guided_decoding: GuidedDecodingParams | None = None
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if isinstance(self.guided_decoding, dict):
@@ -190,7 +199,7 @@ class SamplingParams:
             raise ValueError(f"bad_words_ids must be a list of token id lists or None, "
                              f"got {self.bad_words_ids!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+                     "repetition_penalty", "length_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
@@ -246,6 +255,40 @@ class SamplingParams:
                 raise bad(name, "a bool")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "a GuidedDecodingParams, a dict of its fields, or None")
+        self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an int >= n ({self.n}) or None, got {self.best_of!r}")
+        if not self.use_beam_search:
+            if self.best_of not in (None, self.n):
+                raise ValueError(f"best_of ({self.best_of}) > n ({self.n}) needs use_beam_search: sampling "
+                                 f"best_of candidates to return n is not supported")
+            return
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        # What beam search does not combine with, rather than silently ignored.
+        unsupported = {"top_p": self.top_p != 1.0, "top_k": self.top_k not in (-1, 0), "min_p": self.min_p != 0,
+                       "presence_penalty": self.presence_penalty != 0, "frequency_penalty": self.frequency_penalty != 0,
+                       "repetition_penalty": self.repetition_penalty != 1, "bad_words_ids": bool(self.bad_words_ids),
+                       "logprobs": self.logprobs not in (None, 0), "guided_decoding": self.guided_decoding is not None,
+                       "return_generation_logits": self.return_generation_logits}
+        used = [name for name, set_ in unsupported.items() if set_]
+        if used:
+            raise ValueError(f"use_beam_search does not support {', '.join(used)} (beams are scored on the "
+                             f"model's log-probabilities, optionally with a temperature and min_tokens)")
+
+    @property
+    def beam_width(self) -> int:
+        """The beams of a beam search (best_of, else n); 1 without."""
+        return (self.best_of or self.n) if self.use_beam_search else 1
+
+    @property
+    def num_sequences(self) -> int:
+        """The sequences the request runs at once: its beams, or its n samples."""
+        return self.beam_width if self.use_beam_search else self.n
 
     @property
     def greedy(self) -> bool:

@@ -21,8 +21,6 @@ async def create_completion(serving: Serving, req: CompletionRequest, request: R
     model = serving.model_name(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise APIError(400, "best_of is not supported (other than best_of == n)", "best_of")
     prompts = [serving.text_prompt(p) for p in _prompts(req.prompt)]
     echo_logprobs = req.echo and req.logprobs is not None
     params = serving.sampling_params(req, req.max_tokens, req.logprobs,

@@ -105,6 +105,10 @@ class SamplingFields(OpenAIModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # vLLM's beam search fields: n beams (best_of on completions), the n best returned at the end.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class CompletionRequest(SamplingFields):

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # Request fields whose name starts an engine/SamplingParams error message ("max_tokens (300) + ...").
 _PARAMS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
            "stop_token_ids", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "prompt"}
+           "prompt", "use_beam_search", "best_of", "length_penalty", "early_stopping"}
 
 
 class ClientDisconnected(Exception):
@@ -73,7 +73,9 @@ class Serving:
                 min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output, guided_decoding=guide)
+                include_stop_str_in_output=req.include_stop_str_in_output, guided_decoding=guide,
+                use_beam_search=req.use_beam_search, best_of=getattr(req, "best_of", None),
+                length_penalty=req.length_penalty, early_stopping=req.early_stopping)
         except ValueError as e:
             raise bad_request(e) from None
 

@@ -11,7 +11,9 @@ and `prefix_ids` carries the tokens before a response's, so that postprocessing 
 context. As TensorRT-LLM's backend: `context_logits` ([1, prompt, vocab]) rides on every response;
 `generation_logits` is [1, 1, max_tokens, vocab] when not streaming (zero past the sequence's end)
 and [1, new tokens, 1, vocab] per streamed response; `num_output_tokens` counts the tokens of that
-response's output_ids."""
+response's output_ids. A beam search (`beam_width` > 1) answers once, when it ends, streaming or
+not: its best `num_return_sequences` beams (all by default), best first, as [1, beams, ...] tensors
+(`output_ids` padded with pad_id, `sequence_length` and `cum_log_probs` [1, beams])."""
 import time
 from dataclasses import dataclass, field
 
@@ -34,8 +36,6 @@ REFUSED = {
     **dict.fromkeys(("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
                     "lookahead decoding is not supported yet"),
 }
-# Beam-search knobs: TensorRT-LLM ignores them at beam_width 1, the only width there is here.
-BEAM_SEARCH_ONLY = ("len_penalty", "early_stopping", "beam_search_diversity_rate")
 PREFIX_CONTEXT = 6  # tokens of context a streamed response carries for detokenization
 
 
@@ -116,7 +116,7 @@ def word_list(value, name: str) -> list[list[int]]:
 
 
 def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool, vocab_size: int,
-                  tokenizer) -> tuple[bool, list[Row]]:
+                  tokenizer, max_beam_width: int = 1) -> tuple[bool, list[Row]]:
     """(stop request?, rows). RequestError names the input that is wrong and what was expected."""
     for name in tensors:
         if name in REFUSED:
@@ -153,14 +153,17 @@ def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool
         if max_tokens is None or max_tokens < 1:
             raise RequestError(f"request_output_len must be >= 1, got {max_tokens}")
         beam_width = get("beam_width", 1)
-        if beam_width != 1:
-            raise RequestError(f"beam_width {beam_width} is not supported: there is no beam search (send "
-                               "beam_width 1; num_return_sequences asks for several samples)")
+        if not 1 <= beam_width <= max_beam_width:
+            raise RequestError(f"beam_width must be in [1, {max_beam_width}] (the model's max_beam_width), "
+                               f"got {beam_width}")
+        if beam_width > 1 and get("beam_search_diversity_rate", 0.0) != 0:
+            raise RequestError("beam_search_diversity_rate: diverse beam search is not supported; send 0")
         streaming = bool(get("streaming", False))
         if streaming and not decoupled:
             raise RequestError("streaming needs the decoupled model (decoupled_mode: true)")
-        n = get("num_return_sequences", 1)
-        if n > 1 and not decoupled:
+        # With beams, the best num_return_sequences of them (all by default) in one response.
+        n = get("num_return_sequences", beam_width if beam_width > 1 else 1)
+        if n > 1 and beam_width == 1 and not decoupled:
             raise RequestError("num_return_sequences > 1 needs the decoupled model (decoupled_mode: true)")
         end_id = get("end_id")
         stop_words = word_list(tensors["stop_words_list"][b], "stop_words_list") \
@@ -184,7 +187,8 @@ def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool
                 logprobs=0 if get("return_log_probs", False) else None,
                 return_context_logits=bool(get("return_context_logits", False)),
                 return_generation_logits=bool(get("return_generation_logits", False)),
-                guided_decoding=guided_decoding(get("guided_decoding_guide_type"), get("guided_decoding_guide")))
+                guided_decoding=guided_decoding(get("guided_decoding_guide_type"), get("guided_decoding_guide")),
+                **beam_search(beam_width, get("len_penalty"), get("early_stopping")))
         except ValueError as e:
             raise RequestError(str(e)) from None
         rows.append(Row(prompt, params, streaming, bool(get("exclude_input_in_output", exclude_input_default)),
@@ -192,6 +196,16 @@ def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool
                         bool(get("return_log_probs", False)), bool(get("return_perf_metrics", False)),
                         bool(get("return_num_input_tokens", False)), bool(get("return_num_output_tokens", False))))
     return False, rows
+
+
+def beam_search(beam_width: int, len_penalty, early_stopping) -> dict:
+    """SamplingParams' beam search fields (TensorRT-LLM's early_stopping: true stops at beam_width
+    finished beams, false by Hugging Face's heuristic); at width 1 the knobs have no effect there
+    either."""
+    if beam_width == 1:
+        return {}
+    return dict(use_beam_search=True, best_of=beam_width, length_penalty=1.0 if len_penalty is None else len_penalty,
+                early_stopping=bool(early_stopping))
 
 
 @dataclass
@@ -222,6 +236,8 @@ class Tracker:
 
     def update(self, out: RequestOutput) -> list[dict]:
         self.last = out
+        if self.row.params.use_beam_search:
+            return [self._beams(out)] if out.finished else []
         responses = []
         for c in out.outputs:
             s = self.streams.setdefault(c.index, SequenceStream())
@@ -264,6 +280,22 @@ class Tracker:
             t["num_output_tokens"] = one(len(output), np.int32)
         if row.perf_metrics:
             t.update(perf_metrics(out, c, self.tokens_per_block))
+        return t
+
+    def _beams(self, out: RequestOutput) -> dict:
+        """A beam search's one response: [1, beams, ...] tensors, best beam first, output_ids padded
+        with pad_id."""
+        beams = [self._tensors(out, c, ids, 0, len(ids), SequenceStream())
+                 for c in out.outputs for ids in [self.tokens(c)]]
+        t = merge(beams, self.row.pad_id)
+        t = {k: v.reshape(1, len(beams), *v.shape[2:]) for k, v in t.items()
+             if k not in ("batch_index", "sequence_index", "context_logits")}
+        t["sequence_length"] = t["sequence_length"].reshape(1, len(beams))
+        t["cum_log_probs"] = np.array([[c.cumulative_logprob for c in out.outputs]], np.float32)
+        t["batch_index"] = np.array([[self.batch_index]], np.int32)
+        t["sequence_index"] = np.array([[0]], np.int32)
+        if out.context_logits is not None:
+            t["context_logits"] = out.context_logits.numpy()[None]
         return t
 
     def _generation_logits(self, rows: list) -> np.ndarray:

@@ -54,6 +54,11 @@ class TritonPythonModel(EngineHost):
         self.exclude_input = p["exclude_input_in_output"]
         self.cancel_period = p["cancellation_check_period_ms"] / 1000
         engine = EngineConfig.load(p["gpt_model_path"])
+        self.max_beam_width = p["max_beam_width"]
+        if self.max_beam_width > engine.build_config.max_beam_width:
+            raise pb_utils.TritonModelException(
+                f"tensorrt_llm: parameter max_beam_width ({self.max_beam_width}) exceeds the engine's "
+                f"({engine.build_config.max_beam_width}); rebuild it with engine-build --max_beam_width")
         self.vocab_size = engine.pretrained_config.vocab_size
         self.tokens_per_block = engine.build_config.tokens_per_block
         self.llm = AsyncLLM(p["gpt_model_path"], scheduler_policy=p["batch_scheduler_policy"],
@@ -79,7 +84,8 @@ class TritonPythonModel(EngineHost):
     async def _serve(self, triton_id: str, sender, wanted: set, tensors: dict) -> None:
         try:
             stop, rows = parse_request(tensors, decoupled=self.decoupled, exclude_input_default=self.exclude_input,
-                                       vocab_size=self.vocab_size, tokenizer=self.tokenizer)
+                                       vocab_size=self.vocab_size, tokenizer=self.tokenizer,
+                                       max_beam_width=self.max_beam_width)
         except RequestError as e:
             return self._send_error(sender, str(e))
         except Exception as e:  # noqa: BLE001 - a bug here must still answer, never leave the client waiting

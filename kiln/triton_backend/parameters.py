@@ -57,7 +57,7 @@ PARAMETERS: dict[str, Param] = {
     # rewrite (its GptManager-era versions defaulted to false)
     "enable_kv_cache_reuse": _bool("true", "prefix caching: reuse the KV blocks of prompt prefixes seen before"),
     "exclude_input_in_output": _bool("false", "output_ids without the prompt (a request may override)"),
-    "max_beam_width": Param("choice", "1", "1: there is no beam search", choices=("1",)),
+    "max_beam_width": _int(1, "1", "widest beam_width a request may send (at most the engine's max_beam_width)"),
     "cancellation_check_period_ms": _int(1, "100", "how often cancelled requests are looked for"),
     "stats_check_period_ms": _int(1, "100", "how often the engine's metrics are updated"),
     # preprocessing / postprocessing

@@ -42,9 +42,10 @@ def resolve(engine_dir, overrides: dict[str, str]) -> dict[str, str]:
     values = {name: p.default for name, p in PARAMETERS.items()}
     values.update(gpt_model_path=str(engine_dir), tokenizer_dir=str(engine_dir))
     try:
-        values["triton_max_batch_size"] = str(EngineConfig.load(engine_dir).build_config.max_batch_size)
+        build = EngineConfig.load(engine_dir).build_config
     except Exception as e:  # noqa: BLE001 - reported as the engine dir's problem
         raise ParamError(f"--engine_dir {engine_dir}: {e}") from None
+    values.update(triton_max_batch_size=str(build.max_batch_size), max_beam_width=str(build.max_beam_width))
     problems = []
     for name, value in overrides.items():
         if name not in PARAMETERS:
@@ -67,6 +68,9 @@ def resolve(engine_dir, overrides: dict[str, str]) -> dict[str, str]:
             continue
         if isinstance(typed, bool):
             values[name] = "true" if typed else "false"
+        if name == "max_beam_width" and typed > build.max_beam_width:
+            problems.append(f"parameter max_beam_width: {typed} exceeds the engine's max_beam_width "
+                            f"({build.max_beam_width}); rebuild it with engine-build --max_beam_width {typed}")
     if problems:
         if any(p.startswith("unknown") for p in problems):
             problems.append(f"the parameters are: {', '.join(PARAMETERS)}")

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
+from kiln.runtime.core.beam_search import BeamGroup
 from kiln.runtime.core.kv_cache_manager import KVCacheManager
 from kiln.runtime.core.request import Request, Sequence
 from kiln.runtime.core.sample.rows import SampleRow, make_generator
@@ -33,6 +34,7 @@ from kiln.runtime.core.structured_output import StructuredOutputManager
 from kiln.runtime.executor.factory import make_executor
 from kiln.runtime.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineDeadError,
                                    EngineInfo, IterationStats, Pipe, SampleDelta, SchedulerStats)
+from kiln.runtime.sampling_params import SAMPLING_EPS
 from kiln.threads import available_cpus, configure_threads
 
 
@@ -104,7 +106,9 @@ class EngineCore:
         self.abort(r.request_id)
         req = Request(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids,
                       () if r.cache_salt is None else (r.cache_salt,), arrival_time=r.arrival_time,
-                      forked=r.params.n == 1)
+                      forked=r.params.n == 1 and not r.params.use_beam_search)
+        if r.params.use_beam_search:
+            req.beams = BeamGroup(r.params, r.max_tokens, r.eos_token_ids)
         req.sequences.append(self._new_sequence(req, 0, list(r.prompt_token_ids)))
         self.requests[r.request_id] = req
         if r.params.guided_decoding is not None:
@@ -257,11 +261,14 @@ class EngineCore:
                 allowed: dict) -> None:
         """allowed: the bitmask rows of the guided sequences (a forking request's samples share its
         first sequence's: none has emitted a token yet)."""
-        seqs, rows, masks, copies = [], [], [], []
+        seqs, rows, masks, copies, searches = [], [], [], [], {}
         for seq, row in to_sample:
             req = seq.request
             mask = allowed.get(seq, [None])[0]
-            if not req.forked:
+            if req.beams is not None:
+                seq.beam_logprobs = _beam_logprobs(logits[row], req.params.temperature)
+                searches[req.request_id] = req
+            elif not req.forked:
                 copies.extend(self._fork(seq))
                 for s in req.sequences:
                     seqs.append(s)
@@ -271,6 +278,8 @@ class EngineCore:
                 seqs.append(seq)
                 rows.append(row)
                 masks.append(mask)
+        for req in searches.values():
+            copies.extend(self._beam_step(req, touched))
         self.executor.copy_blocks(copies)
         if not seqs:
             return
@@ -332,6 +341,55 @@ class EngineCore:
         req.forked = True
         return copies
 
+    def _beam_step(self, req: Request, touched: dict) -> list[tuple[int, int]]:
+        """Once every running beam has its log-probabilities: the next beams, which take their
+        parents' tokens and KV blocks (returns the block copies); or, the search done, its results."""
+        beams = [s for s in req.sequences if not s.finished]
+        if not all(b.beam_ready for b in beams):
+            return []  # some are being recomputed after a preemption
+        logprobs = torch.stack([b.beam_logprobs for b in beams])
+        outputs, histories = [b.output_token_ids for b in beams], [b.beam_history for b in beams]
+        chosen = req.beams.step(logprobs, [b.beam_score for b in beams], outputs, histories)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        for b in beams:
+            b.beam_logprobs = None
+        if req.beams.done:
+            self._finish_beams(req, beams, touched)
+            return []
+        new = [self._new_sequence(req, i, []) for i in range(len(beams), len(chosen))]
+        if new and beams[0].reserved_blocks:  # guaranteed_no_evict: each new beam its share
+            share = self.kv.request_blocks(req.num_prompt_tokens, req.max_len, len(chosen))[1]
+            for b in new:
+                beams[0].reserved_blocks -= share
+                b.reserved_blocks = share
+        beams += new
+        copies = self.kv.reassign(beams, [c.parent for c in chosen])
+        prompt = req.prompt_token_ids
+        for b, c in zip(beams, chosen):
+            b.token_ids = prompt + outputs[c.parent] + [c.token]
+            b.beam_history = histories[c.parent] + [c.logprob]
+            b.beam_score = c.cumulative_logprob
+        if new:
+            req.sequences.extend(new)
+            self.scheduler.add_forked(new)
+            req.forked = True
+        return copies
+
+    def _finish_beams(self, req: Request, beams: list[Sequence], touched: dict) -> None:
+        for b in beams:
+            b.finish_reason = "stop"
+            self.scheduler.finish(b)
+        req.forked = True
+        out = self._output(touched, req)
+        want_lp = req.params.logprobs is not None
+        for i, h in enumerate(req.beams.results()):
+            lps = [{t: lp} for t, lp in zip(h.token_ids, h.logprobs)] if want_lp else None
+            out.samples.append(SampleDelta(i, h.token_ids, lps, h.finish_reason, h.stop_reason,
+                                           cumulative_logprob=h.cumulative_logprob))
+        req.finished_time = time.monotonic()
+        self.requests.pop(req.request_id, None)
+
     def _check_stop(self, seq: Sequence, token: int, sample: SampleDelta) -> None:
         req, params = seq.request, seq.request.params
         # Before min_tokens the sampler masks EOS and the stop token ids, so neither can end it early.
@@ -344,6 +402,13 @@ class EngineCore:
         if sample.finish_reason is not None:
             seq.finish_reason = sample.finish_reason
             self.scheduler.finish(seq)
+
+
+def _beam_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float()
+    if temperature > SAMPLING_EPS and temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1)
 
 
 def _bounded(name: str, value: int | None, limit: int) -> int:

@@ -127,3 +127,41 @@ class KVCacheManager:
         dst = self.pool.allocate(1)[0]
         self._append(child, shared + [dst])
         return parent.block_table[full], dst
+
+    def reassign(self, beams: list[Sequence], parents: list[int]) -> list[tuple[int, int]]:
+        """Beam search: beams[i] continues beams[parents[i]] (parents among the beams holding blocks,
+        all of one length; the others are new). Each takes its parent's full blocks, shared; the
+        first child of a parent takes its partly filled last block, the others a copy of it (copy
+        on write): returns the (src, dst) copies for the executor to do before the next step."""
+        tpb = self.tokens_per_block
+        old = [(list(b.block_table), list(b.block_hashes), b.num_cached_blocks) for b in beams]
+        computed = beams[parents[0]].num_computed_tokens
+        full, partial = computed // tpb, computed % tpb != 0
+        tables, copy_to, taken = [], [], set()
+        for i, p in enumerate(parents):
+            table = old[p][0]
+            keep = table[:full + (partial and p not in taken)]
+            if partial and p in taken:
+                copy_to.append((i, table[full]))
+            taken.add(p)
+            self.pool.share(keep)
+            tables.append(keep)
+        for table, _, _ in old:
+            self.pool.release(table)
+        # As many partial blocks are freed (parents without a child) as copies need, after the
+        # first step (when the new beams come with none): the copies never wait for blocks.
+        copies = []
+        for i, src in copy_to:
+            beam = beams[i]
+            if beam.reserved_blocks and not beam.block_table:
+                beam.reserved_blocks -= 1
+                self.reserved -= 1
+            dst = self.pool.allocate(1)[0]
+            tables[i].append(dst)
+            copies.append((src, dst))
+        for beam, p, table in zip(beams, parents, tables):
+            beam.block_table = []
+            self._append(beam, table)
+            beam.block_hashes, beam.num_cached_blocks = list(old[p][1]), min(old[p][2], full)
+            beam.num_computed_tokens = computed
+        return copies

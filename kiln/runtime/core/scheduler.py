@@ -69,7 +69,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < limit:
             seq = self.running[i]
-            if seq in in_flight:
+            if seq in in_flight or seq.num_computed_tokens == seq.num_tokens:  # or a beam waiting for the others
                 i += 1
                 continue
             if seq.draft_token_ids:  # the last token and the drafts, if they fit without evicting anyone
@@ -98,11 +98,11 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
-        # Batch slots taken: a running request that has not forked yet will hold n of them.
-        occupied = sum(1 if s.request.forked else s.request.params.n for s in self.running)
+        # Batch slots taken: a running request that has not forked yet will hold n (or its beams) of them.
+        occupied = sum(1 if s.request.forked else s.request.params.num_sequences for s in self.running)
         while self.waiting and budget > 0 and len(out.scheduled) < limit:
             seq = self.waiting[0]
-            width = 1 if seq.request.forked else seq.request.params.n
+            width = 1 if seq.request.forked else seq.request.params.num_sequences
             if occupied + width > self.max_batch_size:
                 break
             cached = self.kv.take_cached(seq)  # the longest cached prefix: computed already
@@ -114,8 +114,8 @@ class Scheduler:
             # every new sequence reserves (an n=1 request is `forked` from the start)
             if self.policy == "guaranteed_no_evict" and seq.reserved_blocks == 0:
                 req = seq.request
-                total, _ = self.kv.request_blocks(req.num_prompt_tokens, req.max_len, req.params.n)
-                if not self.kv.reserve(seq, total):
+                total, _ = self.kv.request_blocks(req.num_prompt_tokens, req.max_len, req.params.num_sequences)
+                if not self.kv.reserve(seq, total - len(seq.block_table)):  # less the prefix cache's hits
                     self._unadmit(seq)
                     break
             headroom = self._fork_headroom(seq, n)
@@ -136,13 +136,13 @@ class Scheduler:
         return out
 
     def _fork_headroom(self, seq: Sequence, n: int) -> int:
-        """Blocks the n-1 sibling samples will copy their partly filled last block into at fork."""
-        req = seq.request
-        if req.forked or req.params.n == 1 or seq.num_computed_tokens + n < seq.num_tokens:
+        """Blocks the n-1 sibling samples (or beams) will copy their partly filled last block into at fork."""
+        req, width = seq.request, seq.request.params.num_sequences
+        if req.forked or width == 1 or seq.num_computed_tokens + n < seq.num_tokens:
             return 0
         if seq.reserved_blocks:
             return 0  # the reservation covers the siblings
-        return req.params.n - 1
+        return width - 1
 
     def _unadmit(self, seq: Sequence) -> None:
         """It stays waiting: the cached blocks it took go back (still cached), its reservation too."""

@@ -31,11 +31,20 @@ class InputProcessor:
                              f"engine's max_seq_len ({build.max_seq_len})")
         if params.n > info.max_batch_size:
             raise ValueError(f"n ({params.n}) exceeds max_batch_size ({info.max_batch_size})")
+        width = params.beam_width
+        if width > build.max_beam_width:
+            raise ValueError(f"beam width {width} exceeds the engine's max_beam_width ({build.max_beam_width}); "
+                             f"rebuild it with engine-build --max_beam_width {width}")
+        if width > info.max_batch_size:
+            raise ValueError(f"beam width {width} exceeds max_batch_size ({info.max_batch_size}): every beam "
+                             f"takes a batch slot")
         if not info.enable_chunked_prefill and len(token_ids) > info.max_num_tokens:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_tokens "
                              f"({info.max_num_tokens}) allows without chunked prefill")
-        if info.blocks_needed(len(token_ids), max_tokens, params.n) > info.num_kv_blocks:
-            raise ValueError(f"prompt + max_tokens ({len(token_ids) + max_tokens} tokens, n={params.n}) does not "
+        if info.blocks_needed(len(token_ids), max_tokens, params.num_sequences, params.use_beam_search) \
+                > info.num_kv_blocks:
+            raise ValueError(f"prompt + max_tokens ({len(token_ids) + max_tokens} tokens, "
+                             f"{'beams' if params.use_beam_search else 'n'}={params.num_sequences}) does not "
                              f"fit in the KV cache ({info.num_kv_blocks * info.tokens_per_block} tokens)")
         if params.guided_decoding is not None:
             params.guided_decoding.check()  # a guide that does not parse fails here, not in the core

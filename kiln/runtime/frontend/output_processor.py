@@ -129,6 +129,8 @@ class OutputProcessor:
             if params.stop and text and not core_stop and len(sample.token_ids) > params.min_tokens \
                     and self._stop_string(sample, text, params):
                 return True
+        if delta.cumulative_logprob is not None:
+            sample.cumulative_logprob = delta.cumulative_logprob
         if delta.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = delta.finish_reason, delta.stop_reason
             if sample.detokenizer is not None:
@@ -152,10 +154,11 @@ class OutputProcessor:
 
     def output(self, state: RequestState) -> RequestOutput:
         want_lp = state.params.logprobs is not None
+        scored = want_lp or state.params.use_beam_search
         samples = [state.samples[i] for i in sorted(state.samples)]
         outputs = [CompletionOutput(
             index=s.index, text=s.text, token_ids=list(s.token_ids),
-            cumulative_logprob=s.cumulative_logprob if want_lp else None,
+            cumulative_logprob=s.cumulative_logprob if scored else None,
             logprobs=list(s.logprobs) if want_lp else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason,
             generation_logits=None if s.generation_logits is None else list(s.generation_logits)) for s in samples]

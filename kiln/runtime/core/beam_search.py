@@ -1,0 +1,103 @@
+"""Beam search: one request's beams, and the choice of the next ones each step.
+
+A beam search request's sequences are its beams (kiln/runtime/core/request.py). Each step every
+running beam's next-token log-probabilities are added to its running score; of all beams'
+continuations the best `keep` (2 x width, more with several stop tokens) are ranked. The best
+`width` of those that do not end (on a stop token or the length limit) are the next running
+beams; those among the top `width` that end become finished hypotheses, scored by the length
+penalty, of which the best `width` are kept. The search stops as Hugging Face's `generate` does:
+`early_stopping=True` once `width` hypotheses are finished; `False` once the best running beam,
+scored at its current length, cannot beat the worst of them; `"never"` the same, scored at
+max_tokens when the length penalty favours long outputs; and always when every continuation ends.
+
+The engine core (engine_core.py) calls `step` once every running beam has its log-probabilities,
+moves the beams' KV blocks to their new parents (kv_cache_manager.py `reassign`), and emits the
+best n hypotheses when the search is done: beams reorder, so nothing streams before.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class Hypothesis:
+    token_ids: list[int]  # the output tokens
+    logprobs: list[float]  # of each
+    cumulative_logprob: float
+    score: float  # cumulative_logprob / len(token_ids) ** length_penalty
+    finish_reason: str  # "stop" (a stop token ended it) or "length"
+    stop_reason: int | None = None  # the stop token id (not EOS) that ended it
+
+
+@dataclass
+class Continuation:
+    parent: int  # index of the running beam it extends
+    token: int
+    logprob: float
+    cumulative_logprob: float
+
+
+@dataclass
+class BeamGroup:
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: tuple[int, ...]
+    finished: list[Hypothesis] = field(default_factory=list)  # best first, at most width
+    improvable: bool = True  # Hugging Face's early-stop heuristic, sticky once False
+    done: bool = False
+
+    def __post_init__(self):
+        p = self.params
+        self.width = p.beam_width
+        self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids))
+        self.keep = max(2, 1 + len(self.stop_ids)) * self.width
+
+    def step(self, logprobs: torch.Tensor, scores: list[float], outputs: list[list[int]],
+             histories: list[list[float]]) -> list[Continuation]:
+        """logprobs: [beams, vocab] float32, the running beams' next-token log-probabilities; scores,
+        outputs and histories: their running scores, output tokens and those tokens' log-probabilities
+        (all the same length). Returns the next running beams, best first (none once done)."""
+        vocab = logprobs.shape[1]
+        length = len(outputs[0]) + 1  # of every continuation
+        if length <= self.params.min_tokens and len(self.stop_ids):
+            logprobs = logprobs.clone()
+            logprobs[:, sorted(self.stop_ids)] = float("-inf")
+        total = (logprobs + torch.tensor(scores, dtype=torch.float32)[:, None]).flatten()
+        top, index = total.topk(min(self.keep, total.numel()))
+        beams, tokens = (index // vocab).tolist(), (index % vocab).tolist()
+        own = logprobs[index // vocab, index % vocab].tolist()
+        ends = [length >= self.max_tokens or t in self.stop_ids for t in tokens]
+
+        full = len(self.finished) == self.width
+        if self.improvable and not (full and self.params.early_stopping is True):
+            lp = self.params.length_penalty
+            penalized = (top[:self.width] / (length ** lp)).tolist()
+            for rank in range(min(self.width, len(tokens))):
+                if ends[rank]:
+                    t = tokens[rank]
+                    stop = t in self.stop_ids
+                    b = beams[rank]
+                    self.finished.append(Hypothesis(
+                        outputs[b] + [t], histories[b] + [own[rank]], float(top[rank]), penalized[rank],
+                        "stop" if stop else "length", t if stop and t in self.params.stop_token_ids else None))
+            self.finished.sort(key=lambda h: -h.score)
+            del self.finished[self.width:]
+
+        running = [Continuation(b, t, lp, s) for b, t, lp, s, e in zip(beams, tokens, own, top.tolist(), ends) if not e]
+        running = running[:self.width]
+        if all(ends):
+            self.done = True
+            return []
+        if len(self.finished) == self.width:
+            lp = self.params.length_penalty
+            best_length = self.max_tokens if self.params.early_stopping == "never" and lp > 0 else length
+            best = float(torch.tensor(running[0].cumulative_logprob, dtype=torch.float32) / (best_length ** lp))
+            self.improvable = self.improvable and best > self.finished[-1].score
+            self.done = not self.improvable or self.params.early_stopping is True
+        return [] if self.done else running
+
+    def results(self) -> list[Hypothesis]:
+        """The n best finished hypotheses, best first."""
+        return self.finished[:self.params.n]

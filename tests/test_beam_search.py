@@ -131,3 +131,18 @@ def test_beam_search_errors(model):
     llm = LLM(engine_dir)
     with pytest.raises(ValueError, match=r"beam width 8 exceeds the engine's max_beam_width \(4\)"):
         llm.generate(["x"], SamplingParams(use_beam_search=True, n=8), use_tqdm=False)
+
+
+def test_beams_beside_speculating_requests(model, expected):
+    """With ngram speculation on, beams are never drafted for and keep HF's results, while greedy
+    requests beside them still speculate."""
+    name, hf, tok, engine_dir = model
+    llm = LLM(engine_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                             "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
+    prompts = [{"prompt_token_ids": ids} for ids, *_ in expected[:6]] + [{"prompt_token_ids": tok.encode(PROMPTS[2])}]
+    outs = llm.generate(prompts, [p for _, p, *_ in expected[:6]] + [greedy], use_tqdm=False)
+    for out, (_, p, seqs, scores) in zip(outs[:-1], expected):
+        check(out.outputs, seqs, scores, p.length_penalty)
+    assert outs[-1].metrics.num_draft_tokens > 0
+    assert_all_blocks_free(llm.llm_engine)

@@ -525,7 +525,8 @@ def test_async_streaming(async_llm, reference, tok):
         return [o async for o in async_llm.generate(PROMPTS[3], greedy())]
 
     outs = asyncio.run(stream())
-    assert len(outs) >= MAX_TOKENS
+    # An output per step, unless the stream fell behind the core: then the latest one (DESIGN.md).
+    assert 1 < len(outs) <= MAX_TOKENS
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     lens = [len(o.outputs[0].token_ids) for o in outs]
     assert lens == sorted(lens) and lens[-1] == MAX_TOKENS

@@ -67,16 +67,22 @@ def eval_ppl(engine_dir, files, more_files, max_len, threads):
 @click.option("--repetition_penalty", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Per-request seed for reproducible sampling.")
 @click.option("--stop", multiple=True, help="Stop string; repeatable.")
+@click.option("--beam_width", type=int, default=1, show_default=True,
+              help="Beam search of this width, printing the best beam (needs an engine built with "
+                   "--max_beam_width at least this).")
 @click.option("--threads", type=int, default=None, help=THREADS_HELP)
 @click.option("--enable_prefix_caching/--no_enable_prefix_caching", default=True, show_default=True,
               help="Prompts that share a prefix compute it once.")
-def run(engine_dir, prompts, threads, stop, enable_prefix_caching, **sampling):
+def run(engine_dir, prompts, threads, stop, enable_prefix_caching, beam_width, **sampling):
     """Generate from an engine dir, streaming each prompt's text to the terminal."""
     from kiln.runtime.frontend.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(stop=list(stop) or None, **sampling)
+        if beam_width < 1:
+            raise ValueError(f"--beam_width must be >= 1, got {beam_width}")
+        beam = dict(use_beam_search=True, best_of=beam_width) if beam_width > 1 else {}
+        params = SamplingParams(stop=list(stop) or None, **sampling, **beam)
         engine = LLMEngine(engine_dir, threads=threads, enable_prefix_caching=enable_prefix_caching)
         requests = [engine.add_request(p, params) for p in prompts]
     except ValueError as e:

@@ -404,6 +404,8 @@ def test_kiln_run_prompt_too_long(engine):
 @pytest.mark.parametrize("edit, args, fragments", [
     (None, ["--max_tokens", "500"], ["max_tokens (500)", "max_seq_len (192)"]),
     (None, ["--temperature", "-1"], ["temperature must be >= 0"]),
+    (None, ["--beam_width", "2"], ["beam width 2 exceeds the engine's max_beam_width (1)", "--max_beam_width 2"]),
+    (None, ["--beam_width", "0"], ["--beam_width must be >= 1"]),
     ("old_version", [], ["built by kiln 0.0.1", "rebuild"]),
     ("no_rank", [], ["rank0.engine not found"]),
 ])

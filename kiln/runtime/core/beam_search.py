@@ -66,13 +66,12 @@ class BeamGroup:
             logprobs[:, sorted(self.stop_ids)] = float("-inf")
         total = (logprobs + torch.tensor(scores, dtype=torch.float32)[:, None]).flatten()
         top, index = total.topk(min(self.keep, total.numel()))
-        beams, tokens = (index // vocab).tolist(), (index % vocab).tolist()
-        own = logprobs[index // vocab, index % vocab].tolist()
+        beam_index, token_index = index // vocab, index % vocab
+        beams, tokens, own = beam_index.tolist(), token_index.tolist(), logprobs[beam_index, token_index].tolist()
         ends = [length >= self.max_tokens or t in self.stop_ids for t in tokens]
 
-        full = len(self.finished) == self.width
+        lp, full = self.params.length_penalty, len(self.finished) == self.width
         if self.improvable and not (full and self.params.early_stopping is True):
-            lp = self.params.length_penalty
             penalized = (top[:self.width] / (length ** lp)).tolist()
             for rank in range(min(self.width, len(tokens))):
                 if ends[rank]:
@@ -91,7 +90,6 @@ class BeamGroup:
             self.done = True
             return []
         if len(self.finished) == self.width:
-            lp = self.params.length_penalty
             best_length = self.max_tokens if self.params.early_stopping == "never" and lp > 0 else length
             best = float(torch.tensor(running[0].cumulative_logprob, dtype=torch.float32) / (best_length ** lp))
             self.improvable = self.improvable and best > self.finished[-1].score

@@ -319,23 +319,16 @@ class EngineCore:
     def _fork(self, parent: Sequence) -> list[tuple[int, int]]:
         """The prompt is computed: make the request's other n - 1 samples, sharing its KV blocks."""
         req = parent.request
+        children = [self._new_sequence(req, index, list(parent.token_ids)) for index in range(1, req.params.n)]
+        self.kv.split_reservation(parent, children)
         copies = []
-        # guaranteed_no_evict: each sample takes its own share of the request's reservation.
-        per_child = self.kv.request_blocks(req.num_prompt_tokens, req.max_len, req.params.n)[1] \
-            if parent.reserved_blocks else 0
-        children = []
-        for index in range(1, req.params.n):
-            child = self._new_sequence(req, index, list(parent.token_ids))
+        for child in children:
             child.num_computed_tokens = parent.num_computed_tokens
             if parent.matcher is not None:
                 child.matcher = self.structured.matcher(req)
-            if per_child:
-                parent.reserved_blocks -= per_child
-                child.reserved_blocks = per_child
             pair = self.kv.fork(parent, child)
             if pair:
                 copies.append(pair)
-            children.append(child)
         req.sequences.extend(children)
         self.scheduler.add_forked(children)
         req.forked = True
@@ -358,11 +351,7 @@ class EngineCore:
             self._finish_beams(req, beams, touched)
             return []
         new = [self._new_sequence(req, i, []) for i in range(len(beams), len(chosen))]
-        if new and beams[0].reserved_blocks:  # guaranteed_no_evict: each new beam its share
-            share = self.kv.request_blocks(req.num_prompt_tokens, req.max_len, len(chosen))[1]
-            for b in new:
-                beams[0].reserved_blocks -= share
-                b.reserved_blocks = share
+        self.kv.split_reservation(beams[0], new)
         beams += new
         copies = self.kv.reassign(beams, [c.parent for c in chosen])
         prompt = req.prompt_token_ids

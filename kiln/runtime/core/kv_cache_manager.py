@@ -110,6 +110,16 @@ class KVCacheManager:
         self.reserved -= seq.reserved_blocks
         seq.reserved_blocks = 0
 
+    def split_reservation(self, seq: Sequence, siblings: list[Sequence]) -> None:
+        """guaranteed_no_evict: sequences made from `seq` (n > 1 samples, new beams) each take their
+        own share of the reservation it holds for the whole request."""
+        if seq.reserved_blocks:
+            req = seq.request
+            own = self.request_blocks(req.num_prompt_tokens, req.max_len, 1)[1]
+            for s in siblings:
+                seq.reserved_blocks -= own
+                s.reserved_blocks = own
+
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Share the parent's blocks with a child. A partly filled last block is copied instead,
         since both will append to it: returns (src, dst) of that copy for the executor to do."""

@@ -15,6 +15,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 # rotary_scaling.type -> the keys the rotary embedding cannot do without (kiln/models/rope.py).
 ROPE_SCALING_TYPES = {"linear": ("factor",), "dynamic": ("factor",),
@@ -36,9 +39,15 @@ def torch_dtype(name: str):
 
 @dataclass
 class Mapping:
+    """TensorRT-LLM's mapping. The tensor-parallel group also splits a mixture of experts' experts:
+    moe_tp_size ranks share each expert (its intermediate dim split, as a dense MLP's) and moe_ep_size
+    groups of them hold disjoint experts; tp_size = moe_tp_size * moe_ep_size. None: moe_tp_size =
+    tp_size, moe_ep_size = 1 (TensorRT-LLM's default)."""
     world_size: int = 1
     tp_size: int = 1
     pp_size: int = 1
+    moe_tp_size: int | None = None
+    moe_ep_size: int | None = None
 
     def __post_init__(self):
         for name in ("tp_size", "pp_size"):
@@ -49,12 +58,27 @@ class Mapping:
                 f"mapping.world_size ({self.world_size}) must equal tp_size * pp_size "
                 f"({self.tp_size} * {self.pp_size})"
             )
+        if self.moe_tp_size is None and self.moe_ep_size is None:
+            self.moe_tp_size, self.moe_ep_size = self.tp_size, 1
+        elif self.moe_tp_size is None:
+            self.moe_tp_size = self.tp_size // max(self.moe_ep_size, 1)
+        elif self.moe_ep_size is None:
+            self.moe_ep_size = self.tp_size // max(self.moe_tp_size, 1)
+        if self.moe_tp_size < 1 or self.moe_ep_size < 1 or self.moe_tp_size * self.moe_ep_size != self.tp_size:
+            raise ConfigError(f"mapping.moe_tp_size ({self.moe_tp_size}) * moe_ep_size ({self.moe_ep_size}) must "
+                              f"equal tp_size ({self.tp_size})")
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp_size
 
     def pp_rank(self, rank: int) -> int:
         return rank // self.tp_size
+
+    def moe_tp_rank(self, rank: int) -> int:
+        return self.tp_rank(rank) % self.moe_tp_size
+
+    def moe_ep_rank(self, rank: int) -> int:
+        return self.tp_rank(rank) // self.moe_tp_size
 
 
 @dataclass
@@ -65,6 +89,27 @@ class QuantConfig:
     has_zero_point: bool = False
     pre_quant_scale: bool = False
     exclude_modules: list[str] | None = None
+
+
+# TensorRT-LLM's MoeConfig.ExpertScaleNormalizationMode: the top-k routing weights as they are (NONE)
+# or divided by their sum (RENORMALIZE); the router's softmax is over all experts either way.
+MOE_NORMALIZATION_MODES = {0: "none", 1: "renormalize"}
+
+
+@dataclass
+class MoeConfig:
+    """TensorRT-LLM's `moe` section: num_experts 0 is a dense model."""
+    num_experts: int = 0
+    top_k: int = 0
+    normalization_mode: int = 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none), gated by a sigmoid
+
+    def __post_init__(self):
+        if self.num_experts < 0 or (self.num_experts and not 1 <= self.top_k <= self.num_experts):
+            raise ConfigError(f"moe.top_k ({self.top_k}) must be in 1 .. moe.num_experts ({self.num_experts})")
+        if self.normalization_mode not in MOE_NORMALIZATION_MODES:
+            raise ConfigError(f"moe.normalization_mode {self.normalization_mode} is not supported; expected one of "
+                              + ", ".join(f"{k} ({v})" for k, v in MOE_NORMALIZATION_MODES.items()))
 
 
 @dataclass
@@ -94,6 +139,12 @@ class PretrainedConfig:
     eos_token_id: int | list[int] | None = None
     mapping: Mapping = field(default_factory=Mapping)
     quantization: QuantConfig = field(default_factory=QuantConfig)
+    # Mixture of experts: every layer's MLP is one unless mlp_only_layers names it or (i + 1) is not
+    # a multiple of decoder_sparse_step (Qwen2-MoE's keys); experts are moe_intermediate_size wide.
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -129,10 +180,23 @@ class PretrainedConfig:
                 f"tp_size {tp} and num_key_value_heads ({self.num_key_value_heads}) must divide "
                 f"one another"
             )
-        if self.intermediate_size % tp:
+        dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        if dense and self.intermediate_size % tp:
             raise ConfigError(
                 f"tp_size {tp} does not divide intermediate_size ({self.intermediate_size})"
             )
+        if self.moe.num_experts:
+            m = self.mapping
+            if self.moe.num_experts % m.moe_ep_size:
+                raise ConfigError(f"moe_ep_size {m.moe_ep_size} does not divide moe.num_experts ({self.moe.num_experts})")
+            for name in ("moe_intermediate_size", "moe.shared_expert_intermediate_size"):
+                size = self.moe.shared_expert_intermediate_size if name.startswith("moe.") else self.moe_intermediate_size
+                split = m.tp_size if name.startswith("moe.") else m.moe_tp_size
+                if size % split:
+                    raise ConfigError(f"{'tp_size' if name.startswith('moe.') else 'moe_tp_size'} {split} does not "
+                                      f"divide {name} ({size})")
+            if self.decoder_sparse_step < 1:
+                raise ConfigError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         if self.num_hidden_layers < self.mapping.pp_size:
             raise ConfigError(
                 f"pp_size {self.mapping.pp_size} exceeds num_hidden_layers ({self.num_hidden_layers})"
@@ -150,6 +214,14 @@ class PretrainedConfig:
     def vocab_size_padded(self) -> int:
         tp = self.mapping.tp_size
         return -(-self.vocab_size // tp) * tp
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.moe.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.moe.num_experts // self.mapping.moe_ep_size
 
     def layers_of(self, pp_rank: int) -> range:
         """Layers held by a pipeline stage: an even split, earlier stages taking the remainder."""
@@ -181,9 +253,12 @@ class PretrainedConfig:
                    and f.name not in d]
         if missing:
             raise ConfigError(f"checkpoint config is missing field(s): {', '.join(missing)}")
-        # TensorRT-LLM/ModelOpt write more mapping keys (cp_size, moe_*); ours are derived from these.
+        # TensorRT-LLM/ModelOpt write more mapping keys (cp_size, ...); ours are derived from these.
         mapping = d.get("mapping") or {}
-        d["mapping"] = Mapping(**{k: mapping[k] for k in ("world_size", "tp_size", "pp_size") if k in mapping})
+        d["mapping"] = Mapping(**{k: mapping[k] for k in ("world_size", "tp_size", "pp_size", "moe_tp_size",
+                                                          "moe_ep_size") if k in mapping})
+        moe = d.get("moe") or {}
+        d["moe"] = MoeConfig(**{k: v for k, v in moe.items() if k in {f.name for f in dataclasses.fields(MoeConfig)}})
         d["quantization"] = QuantConfig(**{k: v for k, v in (d.get("quantization") or {}).items()
                                            if k in {f.name for f in dataclasses.fields(QuantConfig)}})
         return cls(**{k: v for k, v in d.items() if k in known})

@@ -1,8 +1,8 @@
 """Tiny random-weight models made from real published config.json files, saved by the installed
 transformers, and HF's greedy answers for them: the oracle of tests/test_hf_parity.py.
 
-Only the sizes are shrunk (and bos/eos ids dropped or moved into the tiny vocabulary); every key that changes
-the math (rope base and scaling, norm epsilon, ties, biases, head_dim, sliding-window switches)
+Only the sizes are shrunk (and bos/eos ids dropped or moved into the tiny vocabulary; mixtures of
+experts keep their expert count, top-k and shared expert); every key that changes the math (rope base and scaling, norm epsilon, ties, biases, head_dim, sliding-window switches)
 is the published one. Weights are drawn per parameter name, independently of transformers'
 initialisation, so both transformers majors save the same numbers; their std (0.15, far above
 HF's init) keeps greedy paths from collapsing into repeats that would hide a wrong rotary base.
@@ -18,6 +18,7 @@ import zlib
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 NEW_TOKENS = 24
 PROMPT_LENGTHS = (3, 8, 13, 21, 34)
@@ -65,8 +66,38 @@ _QWEN2_5_7B_INSTRUCT_YARN = {  # Qwen/Qwen2.5-7B-Instruct, with the rope_scaling
     "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
 
+_MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
+    "use_cache": True, "vocab_size": 32000}
+_QWEN1_5_MOE_A2_7B = {  # Qwen/Qwen1.5-MoE-A2.7B (Qwen2-MoE: 60 experts, top 4, a gated shared expert)
+    "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "decoder_sparse_step": 1, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21,
+    "model_type": "qwen2_moe", "moe_intermediate_size": 1408, "norm_topk_prob": False, "num_attention_heads": 16,
+    "num_experts": 60, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 16,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 5632, "sliding_window": 32768, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.39.0.dev0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936}
+_QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B (128 experts, top 8, renormalized, q/k norm)
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936}
+
 PUBLISHED = {"llama3.2": _LLAMA_3_2_1B, "qwen2.5": _QWEN2_5_0_5B, "qwen3": _QWEN3_0_6B,
-             "mistral": _MISTRAL_7B_V0_3, "qwen2.5-yarn": _QWEN2_5_7B_INSTRUCT_YARN}
+             "mistral": _MISTRAL_7B_V0_3, "qwen2.5-yarn": _QWEN2_5_7B_INSTRUCT_YARN, "mixtral": _MIXTRAL_8X7B,
+             "qwen1.5-moe": _QWEN1_5_MOE_A2_7B, "qwen3-moe": _QWEN3_30B_A3B}
 # No eos: greedy runs its NEW_TOKENS on both sides without an end-of-sequence rule to agree on.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=None)
@@ -75,6 +106,10 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 def tiny_config(name: str) -> dict:
     published = PUBLISHED[name]
     cfg = {**published, **TINY}
+    if "moe_intermediate_size" in published:  # experts narrower than the dense MLP, as published
+        cfg["moe_intermediate_size"] = 32
+    if "shared_expert_intermediate_size" in published:
+        cfg["shared_expert_intermediate_size"] = 96
     if "head_dim" in published:  # keep head_dim != hidden / heads where the published one is
         decoupled = published["head_dim"] != published["hidden_size"] // published["num_attention_heads"]
         cfg["head_dim"] = 32 if decoupled else TINY["hidden_size"] // TINY["num_attention_heads"]
@@ -93,13 +128,14 @@ def save(name: str, path: Path) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(tiny_config(name), indent=2))
     config = transformers.AutoConfig.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():  # tied parameters are listed once
-            g = torch.Generator().manual_seed(zlib.crc32(pname.encode()))
-            values = torch.randn(p.shape, generator=g) * STD
-            p.copy_(values + 1 if pname.endswith("norm.weight") else values)
-    model.save_pretrained(path)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).save_pretrained(path)
+    # Values drawn per tensor name as saved, which both majors share (transformers 5's modules hold a
+    # mixture's experts stacked, and save them per expert as 4.x does); tied tensors are saved once.
+    weights = load_file(path / "model.safetensors")
+    for name, t in weights.items():
+        values = torch.randn(t.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * STD
+        weights[name] = values + 1 if name.endswith("norm.weight") else values
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
 

@@ -179,7 +179,7 @@ def test_round_trip(hf_dirs, tmp_path, kind, tp, pp):
         assert torch.equal(got[name], want), name
 
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["mapping"] == {"world_size": tp * pp, "tp_size": tp, "pp_size": pp}
+    assert cfg["mapping"] == {"world_size": tp * pp, "tp_size": tp, "pp_size": pp, "moe_tp_size": tp, "moe_ep_size": 1}
     for key, value in {**TINY, **EXPECTED[kind]}.items():
         assert key in cfg, key
         assert cfg[key] == value, key

@@ -11,13 +11,14 @@ import pytest
 import torch
 import transformers
 
-from kiln.config import ConfigError
+from kiln.config import ConfigError, MoeConfig
 from kiln.convert.cli import convert_checkpoint
 from kiln.convert.hf_config import (FAMILIES, IGNORED, IGNORED_BY_FAMILY, MAPPED, REFUSED_ROPE_TYPES, ROPE_TYPES,
-                                    pretrained_config_from_hf)
+                                    pretrained_config_from_hf, read_hf_config)
 from kiln.models import rope
 
-CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+           "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}
 # 32 heads: HF's default num_key_value_heads (32 for Qwen, 8 for Mistral) must divide them.
 SIZES = dict(vocab_size=128, hidden_size=1024, num_hidden_layers=2, num_attention_heads=32, intermediate_size=512)
 MAJOR = int(transformers.__version__.split(".")[0])
@@ -42,7 +43,8 @@ def test_every_field_of_the_config_class_is_classified(family):
 def test_the_table_in_the_docstring_names_every_key_read_or_refused():
     from kiln.convert import hf_config
 
-    keys = set().union(*MAPPED.values(), hf_config.FOREIGN, *ROPE_TYPES.values(), REFUSED_ROPE_TYPES)
+    keys = set().union(*MAPPED.values(), hf_config.FOREIGN, *hf_config.FOREIGN_BY_FAMILY.values(),
+                       *ROPE_TYPES.values(), REFUSED_ROPE_TYPES)
     assert not sorted(k for k in keys if k not in hf_config.__doc__)
 
 
@@ -78,6 +80,18 @@ def test_absent_keys_take_hfs_defaults(family):
             ours.tie_word_embeddings, ours.max_position_embeddings, ours.hidden_act) == (
         hf.num_key_value_heads, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         hf.rms_norm_eps, theta, None, hf.tie_word_embeddings, hf.max_position_embeddings, hf.hidden_act)
+    assert ours.attn_bias == (family == "qwen2" or bool(getattr(hf, "qkv_bias", False)))
+    assert ours.qk_layernorm == (family in ("qwen3", "qwen3_moe"))
+    if family == "mixtral":  # always renormalized; experts as wide as intermediate_size
+        want = (MoeConfig(hf.num_local_experts, hf.num_experts_per_tok, 1, 0), hf.intermediate_size, 1, [])
+    elif family in ("qwen2_moe", "qwen3_moe"):
+        want = (MoeConfig(hf.num_experts, hf.num_experts_per_tok, int(hf.norm_topk_prob),
+                          getattr(hf, "shared_expert_intermediate_size", 0)),
+                hf.moe_intermediate_size, hf.decoder_sparse_step, hf.mlp_only_layers)
+    else:
+        want = (MoeConfig(), 0, 1, [])
+    assert (ours.moe, ours.moe_intermediate_size, ours.decoder_sparse_step, ours.mlp_only_layers) == want
+    assert ours.intermediate_size == hf.intermediate_size
 
 
 # The same model in each schema: what transformers 4 writes and what transformers 5 writes.
@@ -236,6 +250,42 @@ REFUSED = [
     ("llama", _set(rms_norm_eps=None), "rms_norm_eps null is not supported; expected a value (absent, HF's "
      "default for LlamaForCausalLM is 1e-06)"),
     ("qwen2", _set(rope_theta=None, rope_scaling=None, rope_parameters=None), "rope_theta null is not supported"),
+    # mixture of experts
+    ("mixtral", _set(num_experts_per_tok=9),
+     "num_experts_per_tok 9 is not supported; expected an integer in 1 .. 8 (num_local_experts)"),
+    ("qwen3_moe", _set(num_experts_per_tok=0), "num_experts_per_tok 0 is not supported; expected an integer in 1 .. "
+     "128"),
+    ("qwen2_moe", _set(num_experts=0), "num_experts 0 is not supported; expected an integer >= 1"),
+    ("mixtral", _set(num_local_experts=None), "num_local_experts null is not supported; expected a value (absent, "
+     "HF's default for MixtralForCausalLM is 8)"),
+    ("mixtral", _set(num_local_experts=8, num_experts=4), "num_local_experts 8 and num_experts 4 disagree"),
+    ("qwen3_moe", _set(num_experts=8, num_local_experts=16), "num_experts 8 and num_local_experts 16 disagree"),
+    ("qwen2_moe", _set(mlp_only_layers=1), "mlp_only_layers 1 is not supported; expected a list of layer indices"),
+    ("qwen3_moe", _set(mlp_only_layers=["1"]), "mlp_only_layers ['1'] is not supported; expected a list of layer "
+     "indices"),
+    ("qwen3_moe", _set(decoder_sparse_step=0), "decoder_sparse_step 0 is not supported; expected an integer >= 1"),
+    ("qwen2_moe", _set(moe_intermediate_size=None), "moe_intermediate_size null is not supported"),
+    ("qwen2_moe", _set(shared_expert_intermediate_size=-1),
+     "shared_expert_intermediate_size -1 is not supported; expected an integer >= 0"),
+    ("qwen3_moe", _set(shared_expert_intermediate_size=64),
+     "shared_expert_intermediate_size=64 is not supported for Qwen3MoeForCausalLM"),
+    ("mixtral", _set(shared_expert_intermediate_size=64),
+     "shared_expert_intermediate_size=64 is not supported for MixtralForCausalLM"),
+    ("qwen3_moe", _set(attention_bias=True), "attention_bias=True is not supported for Qwen3MoeForCausalLM (expected "
+     "false"),
+    ("qwen3_moe", _set(head_dim=None), "head_dim null is not supported for Qwen3MoeForCausalLM; expected an integer"),
+    ("qwen2_moe", _set(head_dim=None), "head_dim null is not supported for Qwen2MoeForCausalLM; expected an integer"),
+    ("mixtral", _set(sliding_window=1024, max_position_embeddings=4096),
+     "sliding_window 1024 is smaller than max_position_embeddings 4096 (on layer(s) 0, 1)"),
+    ("qwen3_moe", _set(use_sliding_window=True, sliding_window=64),
+     "sliding_window 64 is smaller than max_position_embeddings 32768 (on layer(s) 0, 1)"),
+    # transformers 4 slides every layer whatever layer_types says
+    ("qwen2_moe", _set(use_sliding_window=True, sliding_window=64, layer_types=["full_attention"] * 2),
+     "sliding_window 64 is smaller than max_position_embeddings 32768 (on layer(s) 0, 1)"),
+    ("qwen2_moe", _set(use_sliding_window=False, sliding_window=0, layer_types=["full_attention", "sliding_attention"]),
+     "layer_types marks layer(s) 1 'sliding_attention' but use_sliding_window is false"),
+    ("qwen2_moe", _set(layer_types=["full_attention"]), "layer_types ['full_attention'] is not supported; expected 2 "
+     "entries"),
     *[("llama", _set(**{key: value}), f"{key}={value!r} is not supported for LlamaForCausalLM")
       for key, value in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("logits_scaling", 8.0),
                          ("embedding_multiplier", 12.0), ("residual_multiplier", 0.22),
@@ -252,6 +302,76 @@ def test_refused_keys_are_one_line_errors(family, edit, message):
     text = str(err.value)
     assert text.startswith("m/config.json: ") and "\n" not in text
     assert message in text, text
+
+
+# (family, config class kwargs at tiny sizes, the MoE fields they must map to:
+#  moe, moe_intermediate_size, decoder_sparse_step, mlp_only_layers, attn_bias, qk_layernorm, MoE layers)
+TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256)
+SAVED = [
+    ("mixtral", dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+     (MoeConfig(8, 2, 1, 0), 32, 1, [], False, False, [True, True])),
+    ("qwen2_moe", dict(intermediate_size=96, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+     (MoeConfig(8, 2, 0, 48), 32, 1, [1], True, False, [True, False])),
+    ("qwen2_moe", dict(intermediate_size=96, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, norm_topk_prob=True, qkv_bias=False, decoder_sparse_step=2),
+     (MoeConfig(8, 2, 1, 48), 32, 2, [], False, False, [False, True])),
+    ("qwen3_moe", dict(intermediate_size=96, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       norm_topk_prob=True, head_dim=32),
+     (MoeConfig(8, 2, 1, 0), 32, 1, [], False, True, [True, True])),
+    ("qwen3_moe", dict(intermediate_size=96, num_experts=8, num_experts_per_tok=8, moe_intermediate_size=32,
+                       mlp_only_layers=[0]),
+     (MoeConfig(8, 8, 0, 0), 32, 1, [0], False, True, [False, True])),
+]
+
+
+@pytest.mark.parametrize("family,kw,want", SAVED, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(SAVED)])
+def test_moe_configs_saved_by_transformers(tmp_path, family, kw, want):
+    hf_cfg = getattr(transformers, CLASSES[family])(**TINY, **kw, architectures=[FAMILIES[family]])
+    hf_cfg.save_pretrained(tmp_path)
+    hf = read_hf_config(tmp_path)
+    if MAJOR >= 5 and family == "qwen2_moe":  # transformers 5 writes the switched-off window as 0
+        assert (hf["sliding_window"], hf["use_sliding_window"]) == (0, False)
+    ours = pretrained_config_from_hf(hf, where=tmp_path / "config.json")
+    assert (ours.moe, ours.moe_intermediate_size, ours.decoder_sparse_step, ours.mlp_only_layers, ours.attn_bias,
+            ours.qk_layernorm, [ours.is_moe_layer(i) for i in range(2)]) == want
+    assert (ours.architecture, ours.intermediate_size, ours.hidden_size, ours.num_attention_heads,
+            ours.num_key_value_heads, ours.head_size) == (FAMILIES[family], kw["intermediate_size"], 64, 4, 2,
+                                                          kw.get("head_dim", 16))
+    # HF's model reads the same numbers
+    experts = hf_cfg.num_local_experts if family == "mixtral" else hf_cfg.num_experts
+    assert (experts, hf_cfg.num_experts_per_tok) == (ours.moe.num_experts, ours.moe.top_k)
+
+
+def test_either_name_of_the_experts_count():
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (and reads Mixtral's num_experts)
+    for family, key in (("qwen3_moe", "num_local_experts"), ("qwen3_moe", "num_experts"),
+                        ("mixtral", "num_experts"), ("mixtral", "num_local_experts")):
+        hf = {"architectures": [FAMILIES[family]], "model_type": family, **TINY, "intermediate_size": 32,
+              key: 16, "num_experts_per_tok": 4}
+        assert pretrained_config_from_hf(hf).moe.num_experts == 16
+    both = {"architectures": ["Qwen3MoeForCausalLM"], **TINY, "intermediate_size": 32, "num_experts": 16,
+            "num_local_experts": 16}
+    assert pretrained_config_from_hf(both).moe.num_experts == 16
+
+
+def test_a_released_qwen3_moe_config():
+    """Qwen3-30B-A3B's config.json (transformers 4.51), sizes shrunk: max_window_layers and a null
+    sliding_window are carried along and change nothing."""
+    hf = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+          "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+          "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+          "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+          "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+          "num_experts_per_tok": 8, "num_hidden_layers": 4, "num_key_value_heads": 4, "output_router_logits": False,
+          "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+          "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+          "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+    ours = pretrained_config_from_hf(hf)
+    assert (ours.moe, ours.moe_intermediate_size, ours.head_size, ours.qk_layernorm, ours.attn_bias, ours.dtype,
+            ours.rotary_base) == (MoeConfig(128, 8, 1, 0), 768, 128, True, False, "bfloat16", 1e6)
+    assert all(ours.is_moe_layer(i) for i in range(4))
 
 
 def test_the_declared_transformers_range_is_what_make_test_runs():

@@ -13,7 +13,7 @@ Keys read (for the families in FAMILIES; "refused" names the values that are):
 | architectures, model_type | architecture (they must agree) | other families |
 | text_config | a nested text model: its keys are read, the outer ones fill in | |
 | vocab_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size | sizes (required) | |
-| num_key_value_heads, head_dim | KV heads, head_size | head_dim null (Qwen3) |
+| num_key_value_heads, head_dim | KV heads, head_size | head_dim null (Qwen3, Qwen2-MoE, Qwen3-MoE) |
 | max_position_embeddings | max_position_embeddings | |
 | hidden_act | silu ("swish" is the same function) | anything else |
 | rms_norm_eps | norm_epsilon | |
@@ -21,17 +21,26 @@ Keys read (for the families in FAMILIES; "refused" names the values that are):
 | original_max_position_embeddings (top level) | transformers 5 prefers it for llama3/yarn | a value transformers 4 would not use |
 | partial_rotary_factor (top level or in the rope dict) | | anything but 1.0 |
 | tie_word_embeddings | tie_word_embeddings | |
-| attention_bias (Llama, Qwen3) | | true (a bias on o_proj too); Qwen2's q/k/v bias is implied by its architecture |
+| attention_bias (Llama, Qwen3, Qwen3-MoE) | | true (a bias on o_proj too); Qwen2's q/k/v bias is implied by its architecture |
+| qkv_bias (Qwen2-MoE) | attn_bias (biases on q/k/v, none on o_proj) | |
 | mlp_bias (Llama) | | true |
-| sliding_window (Mistral); use_sliding_window, max_window_layers, layer_types (Qwen2/Qwen3) | | a window shorter than max_position_embeddings on any layer |
+| sliding_window (Mistral, Mixtral); use_sliding_window, max_window_layers, layer_types (Qwen2/Qwen3, Qwen2-MoE); use_sliding_window (Qwen3-MoE) | | a window shorter than max_position_embeddings on any layer (Qwen2-MoE: every layer under transformers 4, the layer_types ones under 5; Qwen3-MoE: every layer); layer_types marking a layer sliding without use_sliding_window (transformers 5 then slides a window of 0) |
+| num_local_experts (Mixtral), num_experts (Qwen2-MoE, Qwen3-MoE); transformers 5 maps num_experts onto num_local_experts for Mixtral and Qwen3-MoE, so either name is read there | moe.num_experts | fewer than 1; both names present and different |
+| num_experts_per_tok | moe.top_k | outside 1 .. the number of experts |
+| norm_topk_prob (Qwen2-MoE, Qwen3-MoE; Mixtral always renormalizes) | moe.normalization_mode: 1 (top-k weights divided by their sum) if true, else 0 | |
+| moe_intermediate_size (Qwen2-MoE, Qwen3-MoE; Mixtral's experts are intermediate_size wide) | moe_intermediate_size | below 1 |
+| shared_expert_intermediate_size (Qwen2-MoE: a sigmoid-gated shared expert on every MoE layer) | moe.shared_expert_intermediate_size (0: none) | negative; on Mixtral/Qwen3-MoE (no shared expert) any value but 0 |
+| decoder_sparse_step, mlp_only_layers (Qwen2-MoE, Qwen3-MoE) | decoder_sparse_step, mlp_only_layers: layer i is MoE unless mlp_only_layers names it or (i + 1) % decoder_sparse_step != 0; the others are dense MLPs intermediate_size wide | a step below 1; mlp_only_layers not a list of integers |
 | dtype, torch_dtype | the default --dtype | dtypes other than float32/bfloat16/float16 |
 | bos_token_id, eos_token_id | stop tokens | |
 | quantization_config | | any (pre-quantized checkpoints) |
-| attn_logit_softcapping, final_logit_softcapping, logits_scaling, embedding_multiplier, residual_multiplier, attention_multiplier, query_pre_attn_scalar, use_mrope | (other families' math; HF's Llama/Mistral/Qwen classes ignore them, so a config that sets them was not made for these) | any value but the neutral one |
+| attn_logit_softcapping, final_logit_softcapping, logits_scaling, embedding_multiplier, residual_multiplier, attention_multiplier, query_pre_attn_scalar, use_mrope | (other families' math; HF's Llama/Mistral/Mixtral/Qwen classes ignore them, so a config that sets them was not made for these) | any value but the neutral one |
 
 IGNORED lists the keys that do not change the forward pass at inference (dropout, initialisation,
-generation defaults, output switches, bookkeeping); tests/test_hf_config.py walks every field of the
-installed transformers' LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config and fails on one that
+generation defaults, output switches, bookkeeping; for the MoE families router_aux_loss_coef,
+output_router_logits and Mixtral's router_jitter_noise, which act only in training);
+tests/test_hf_config.py walks every field of the installed transformers' LlamaConfig, MistralConfig,
+Qwen2Config, Qwen3Config, MixtralConfig, Qwen2MoeConfig and Qwen3MoeConfig and fails on one that
 is in neither table, so a field added by a new transformers release is a failing test, not a wrong
 answer. Other keys a config.json carries (auto_map, unsloth_version ...) are not read by these
 models in HF either, and are ignored.
@@ -43,10 +52,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kiln.config import DTYPES, SUPPORTED_ARCHITECTURES, ConfigError, Mapping, PretrainedConfig
+from kiln.config import DTYPES, SUPPORTED_ARCHITECTURES, ConfigError, Mapping, MoeConfig, PretrainedConfig
 
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 ARCH_FAMILY = {arch: family for family, arch in FAMILIES.items()}
 
 # What HF's config classes use when a key is absent (the same in transformers 4.57 and 5.x; tests
@@ -62,10 +73,25 @@ DEFAULTS = {
     "mistral": dict(_COMMON, num_key_value_heads=8, max_position_embeddings=131072, sliding_window=4096),
     "qwen2": _QWEN,
     "qwen3": dict(_QWEN, head_dim=128, attention_bias=False),
+    "mixtral": dict(_COMMON, rms_norm_eps=1e-5, rope_theta=1e6, num_key_value_heads=8,
+                    max_position_embeddings=131072, sliding_window=None, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(_QWEN, num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+                      moe_intermediate_size=1408, shared_expert_intermediate_size=5632, decoder_sparse_step=1,
+                      mlp_only_layers=[], qkv_bias=True),
+    "qwen3_moe": dict(_COMMON, num_key_value_heads=4, max_position_embeddings=32768, sliding_window=4096,
+                      use_sliding_window=False, attention_bias=False, num_experts=128, num_experts_per_tok=8,
+                      norm_topk_prob=False, moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[]),
 }
+# The experts' count: the name transformers 4 reads first; transformers 5's attribute_map also takes
+# the second for Mixtral and Qwen3-MoE (num_experts -> num_local_experts).
+EXPERTS_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "qwen2_moe": ("num_experts",),
+                "qwen3_moe": ("num_experts", "num_local_experts")}
 
 _NOT_NULL = ("hidden_act", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "max_position_embeddings",
-             "max_window_layers")
+             "max_window_layers", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "shared_expert_intermediate_size", "decoder_sparse_step")
+# HF builds q_proj from getattr(config, "head_dim", <derived>): an explicit null has no fallback.
+_HEAD_DIM_NOT_NULL = ("qwen3", "qwen2_moe", "qwen3_moe")
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 _MAPPED_ALL = {"architectures", "model_type", "text_config", *REQUIRED, "num_key_value_heads", "head_dim",
                "max_position_embeddings", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",
@@ -78,11 +104,23 @@ MAPPED = {
     "qwen2": _MAPPED_ALL | {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
     "qwen3": _MAPPED_ALL | {"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
                             "layer_types"},
+    "mixtral": _MAPPED_ALL | {"sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok"},
+    "qwen2_moe": _MAPPED_ALL | {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+                                "num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size",
+                                "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+                                "qkv_bias"},
+    "qwen3_moe": _MAPPED_ALL | {"attention_bias", "sliding_window", "use_sliding_window", "num_experts",
+                                "num_local_experts", "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size",
+                                "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"},
 }
 # Other families' math: refused unless absent or at the value that means "off".
 FOREIGN = {"attn_logit_softcapping": None, "final_logit_softcapping": None, "logits_scaling": 1.0,
            "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None,
            "query_pre_attn_scalar": None, "use_mrope": False}
+# The same per family: Mixtral and Qwen3-MoE have no shared expert (HF ignores the key; a config that
+# sets it was made for Qwen2-MoE's math).
+FOREIGN_BY_FAMILY = {"mixtral": {"shared_expert_intermediate_size": 0},
+                     "qwen3_moe": {"shared_expert_intermediate_size": 0}}
 
 IGNORED = {
     # training only, or the same numbers another way
@@ -105,7 +143,12 @@ IGNORED = {
     "_name_or_path", "transformers_version", "tokenizer_class", "prefix", "task_specific_params",
 }
 # Per family: keys HF's class carries that its model code does not read.
-IGNORED_BY_FAMILY = {"llama": set(), "mistral": set(), "qwen2": {"attention_bias"}, "qwen3": set()}
+_ROUTER_TRAINING = {"router_aux_loss_coef", "output_router_logits"}  # the load-balancing loss
+IGNORED_BY_FAMILY = {"llama": set(), "mistral": set(), "qwen2": {"attention_bias"}, "qwen3": set(),
+                     "mixtral": _ROUTER_TRAINING | {"router_jitter_noise"},  # noise only when training
+                     "qwen2_moe": set(_ROUTER_TRAINING),
+                     # Qwen3-MoE's config.json files carry max_window_layers; HF's Qwen3Moe does not read it
+                     "qwen3_moe": _ROUTER_TRAINING | {"max_window_layers"}}
 
 ROPE_TYPES = {  # rope type -> the keys it reads besides rope_type/type/rope_theta/partial_rotary_factor
     "default": set(),
@@ -171,7 +214,7 @@ def _map(hf: dict, dtype: str | None, tp_size: int, pp_size: int) -> PretrainedC
             raise ConfigError(f"{key} null is not supported; expected a value (absent, HF's default for "
                               f"{arch} is {defaults[key]!r})")
 
-    for key, neutral in FOREIGN.items():
+    for key, neutral in {**FOREIGN, **FOREIGN_BY_FAMILY.get(family, {})}.items():
         if hf.get(key, neutral) not in (None, neutral):
             raise ConfigError(f"{key}={hf[key]!r} is not supported for {arch} (HF's {arch} does not "
                               f"implement it; expected it absent or {neutral!r})")
@@ -187,12 +230,13 @@ def _map(hf: dict, dtype: str | None, tp_size: int, pp_size: int) -> PretrainedC
     kv_heads = get("num_key_value_heads")
     head_dim = get("head_dim")
     if head_dim is None:
-        if family == "qwen3":  # HF's Qwen3 has no fallback: the model cannot be built
-            raise ConfigError("head_dim null is not supported for Qwen3ForCausalLM; expected an integer")
+        if family in _HEAD_DIM_NOT_NULL and "head_dim" in hf:  # HF has no fallback: the model cannot be built
+            raise ConfigError(f"head_dim null is not supported for {arch}; expected an integer")
         head_dim = hidden // heads
     max_pos = get("max_position_embeddings")
     theta, scaling = _rope(hf, max_pos, get("rope_theta"))
     _check_sliding_window(hf, family, get, max_pos)
+    moe = _moe(hf, family, arch, get) if family in MOE_FAMILIES else {}
     return PretrainedConfig(
         architecture=arch,
         dtype=dtype or _default_dtype(hf),
@@ -208,13 +252,53 @@ def _map(hf: dict, dtype: str | None, tp_size: int, pp_size: int) -> PretrainedC
         norm_epsilon=float(get("rms_norm_eps")),
         rotary_base=theta,
         rotary_scaling=scaling,
-        attn_bias=family == "qwen2",  # Qwen2 always has q/k/v biases (and none on o_proj)
-        qk_layernorm=family == "qwen3",
+        # Qwen2 always has q/k/v biases, Qwen2-MoE when qkv_bias says so (and neither on o_proj)
+        attn_bias=family == "qwen2" or (family == "qwen2_moe" and bool(get("qkv_bias"))),
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(get("tie_word_embeddings")),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
         mapping=Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size),
+        **moe,
     )
+
+
+def _moe(hf: dict, family: str, arch: str, get) -> dict:
+    """PretrainedConfig's MoE fields, as HF's sparse blocks compute them: softmax over all experts,
+    the top num_experts_per_tok, renormalized always (Mixtral) or when norm_topk_prob (Qwen)."""
+    keys = EXPERTS_KEYS[family]
+    given = {k: hf[k] for k in keys if k in hf}
+    if len(set(map(repr, given.values()))) > 1:
+        (k1, v1), (k2, v2) = given.items()
+        raise ConfigError(f"{k1} {v1!r} and {k2} {v2!r} disagree; expected one number of experts (transformers "
+                          f"4 reads {keys[0]}, 5 maps {keys[-1]} onto num_local_experts)")
+    experts_key = next(iter(given), keys[0])
+    experts = _integer(experts_key, given.get(experts_key, get(keys[0])), 1)
+    top_k = get("num_experts_per_tok")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok {top_k!r} is not supported; expected an integer in 1 .. "
+                          f"{experts} ({experts_key})")
+    if family == "mixtral":  # HF's Mixtral always renormalizes; its experts are intermediate_size wide
+        return dict(moe=MoeConfig(num_experts=experts, top_k=top_k, normalization_mode=1),
+                    moe_intermediate_size=hf["intermediate_size"])
+    layers = get("mlp_only_layers")
+    layers = [] if layers is None else layers
+    if not isinstance(layers, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+        raise ConfigError(f"mlp_only_layers {layers!r} is not supported; expected a list of layer indices "
+                          f"(integers)")
+    shared = _integer("shared_expert_intermediate_size", get("shared_expert_intermediate_size"), 0) \
+        if family == "qwen2_moe" else 0
+    return dict(moe=MoeConfig(num_experts=experts, top_k=top_k, normalization_mode=1 if get("norm_topk_prob") else 0,
+                              shared_expert_intermediate_size=shared),
+                moe_intermediate_size=_integer("moe_intermediate_size", get("moe_intermediate_size"), 1),
+                decoder_sparse_step=_integer("decoder_sparse_step", get("decoder_sparse_step"), 1),
+                mlp_only_layers=list(layers))
+
+
+def _integer(key: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key} {value!r} is not supported; expected an integer >= {minimum}")
+    return value
 
 
 def _text_model(hf: dict) -> tuple[dict, str]:
@@ -346,24 +430,49 @@ def _check_sliding_window(hf: dict, family: str, get, max_pos: int) -> None:
     if family == "llama":
         return
     window = get("sliding_window")
-    if family == "mistral":  # no switch: a window is in effect whenever one is given
-        sliding = list(range(hf["num_hidden_layers"])) if window is not None else []
+    n = hf["num_hidden_layers"]
+    if family in ("mistral", "mixtral"):  # no switch: a window is in effect whenever one is given
+        sliding = list(range(n)) if window is not None else []
+    elif family == "qwen3_moe":  # only with use_sliding_window, then on every layer
+        sliding = list(range(n)) if get("use_sliding_window") and window is not None else []
+    elif family == "qwen2_moe":
+        # transformers 5 slides on the layers layer_types marks; transformers 4's eager/SDPA mask on
+        # every layer (its flash path on those from max_window_layers on): refuse any window at all.
+        _check_qwen2_moe_layer_types(hf, get, n)
+        sliding = list(range(n)) if get("use_sliding_window") and window is not None else []
     else:  # Qwen2/Qwen3: only with use_sliding_window, on the layers layer_types marks
         if not get("use_sliding_window"):
             window = None
-        n = hf["num_hidden_layers"]
         types = hf.get("layer_types") or [
             "sliding_attention" if window is not None and i >= get("max_window_layers") else "full_attention"
             for i in range(n)]
-        if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
-            raise ConfigError(f"layer_types {types} is not supported; expected {n} entries of "
-                              f"'full_attention' or 'sliding_attention'")
+        _check_layer_types(types, n)
         sliding = [i for i, t in enumerate(types) if t == "sliding_attention"] if window is not None else []
     if sliding and window < max_pos:
         raise ConfigError(
             f"sliding_window {window} is smaller than max_position_embeddings {max_pos} (on layer(s) "
             f"{', '.join(map(str, sliding))}); sliding-window attention is not supported (expected "
             f"sliding_window null or >= max_position_embeddings)")
+
+
+def _check_layer_types(types, n: int) -> None:
+    if not isinstance(types, list) or len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
+        raise ConfigError(f"layer_types {types} is not supported; expected {n} entries of "
+                          f"'full_attention' or 'sliding_attention'")
+
+
+def _check_qwen2_moe_layer_types(hf: dict, get, n: int) -> None:
+    """transformers 5's Qwen2-MoE gives the layers layer_types marks sliding_window if
+    use_sliding_window, else 0 (it writes `sliding_window: 0` then): marked layers need the switch."""
+    types = hf.get("layer_types")
+    if types is None:
+        return
+    _check_layer_types(types, n)
+    marked = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if marked and not get("use_sliding_window"):
+        raise ConfigError(f"layer_types marks layer(s) {', '.join(map(str, marked))} 'sliding_attention' but "
+                          f"use_sliding_window is false (transformers 5 then slides a window of 0); expected "
+                          f"'full_attention' on every layer")
 
 
 def _default_dtype(hf: dict) -> str:

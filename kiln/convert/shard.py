@@ -10,7 +10,8 @@ Layout conventions, all as in TensorRT-LLM:
 - qkv is fused per rank as [this rank's q rows; its k rows; its v rows];
 - with more ranks than KV heads, each KV head is replicated on tp // kv_heads consecutive ranks;
 - embedding and lm_head are padded with zero rows to a multiple of tp and split along vocab;
-- layer indices inside a pipeline stage's file are global.
+- layer indices inside a pipeline stage's file are global;
+- a mixture of experts' layer stacks its rank's experts (layout.py), read one expert at a time.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Callable
 import torch
 
 from kiln.config import PretrainedConfig
-from kiln.convert.layout import COLUMN_PARALLEL, ROW_PARALLEL, kv_head_range, linear_shapes, output_ranges
+from kiln.convert.layout import (COLUMN_PARALLEL, EXPERT_LINEARS, ROW_PARALLEL, SHARED, expert_range, input_split,
+                                 kv_head_range, linear_shapes, output_ranges)
 
 # A builder takes the open HF weights (kiln.convert.hf.HFWeights) and returns one rank tensor.
 Builder = Callable[[object], torch.Tensor]
@@ -38,6 +40,31 @@ def trt_layer(i: int, suffix: str) -> str:
     return f"transformer.layers.{i}.{suffix}"
 
 
+def hf_moe(cfg: PretrainedConfig, i: int, part: str, expert: int | None = None) -> str:
+    """The HF name of a MoE layer's router ("router") or of expert `expert`'s "gate", "up" or "down"."""
+    if cfg.architecture == "MixtralForCausalLM":
+        if part == "router":
+            return hf_layer(i, "block_sparse_moe.gate.weight")
+        return hf_layer(i, f"block_sparse_moe.experts.{expert}.{dict(gate='w1', up='w3', down='w2')[part]}.weight")
+    if part == "router":
+        return hf_layer(i, "mlp.gate.weight")
+    return hf_layer(i, f"mlp.experts.{expert}.{part}_proj.weight")
+
+
+def _moe_source_shapes(cfg: PretrainedConfig, i: int) -> dict[str, tuple[int, ...]]:
+    h, inter, shared = cfg.hidden_size, cfg.moe_intermediate_size, cfg.moe.shared_expert_intermediate_size
+    shapes = {hf_moe(cfg, i, "router"): (cfg.moe.num_experts, h)}
+    for e in range(cfg.moe.num_experts):
+        shapes.update({hf_moe(cfg, i, "gate", e): (inter, h), hf_moe(cfg, i, "up", e): (inter, h),
+                       hf_moe(cfg, i, "down", e): (h, inter)})
+    if shared:
+        shapes.update({hf_layer(i, "mlp.shared_expert.gate_proj.weight"): (shared, h),
+                       hf_layer(i, "mlp.shared_expert.up_proj.weight"): (shared, h),
+                       hf_layer(i, "mlp.shared_expert.down_proj.weight"): (h, shared),
+                       hf_layer(i, "mlp.shared_expert_gate.weight"): (1, h)})
+    return shapes
+
+
 def source_shapes(cfg: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor the conversion reads, with the shape config.json implies for it."""
     h, hd, inter = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
@@ -53,10 +80,12 @@ def source_shapes(cfg: PretrainedConfig) -> dict[str, tuple[int, ...]]:
             "self_attn.k_proj.weight": (kv_out, h),
             "self_attn.v_proj.weight": (kv_out, h),
             "self_attn.o_proj.weight": (h, q_out),
-            "mlp.gate_proj.weight": (inter, h),
-            "mlp.up_proj.weight": (inter, h),
-            "mlp.down_proj.weight": (h, inter),
         }
+        if cfg.is_moe_layer(i):
+            shapes.update(_moe_source_shapes(cfg, i))
+        else:
+            layer.update({"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+                          "mlp.down_proj.weight": (h, inter)})
         if cfg.attn_bias:
             layer.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
                           "self_attn.v_proj.bias": (kv_out,)})
@@ -101,6 +130,40 @@ def _vocab(cfg: PretrainedConfig, name: str, tp_rank: int, src) -> torch.Tensor:
     return torch.cat([real, pad], dim=0)
 
 
+def _expert_fc(cfg: PretrainedConfig, i: int, tp_rank: int, src) -> torch.Tensor:
+    """[experts of the rank, 2 * inter / moe_tp, hidden]: each expert's up rows, then its gate rows."""
+    (a, b), _ = output_ranges(cfg, "mlp.fc", tp_rank, i)
+    return torch.stack([torch.cat([src.read(hf_moe(cfg, i, "up", e), 0, a, b), src.read(hf_moe(cfg, i, "gate", e), 0, a, b)])
+                        for e in expert_range(cfg, tp_rank)])
+
+
+def _expert_proj(cfg: PretrainedConfig, i: int, tp_rank: int, src) -> torch.Tensor:
+    part = cfg.moe_intermediate_size // cfg.mapping.moe_tp_size
+    r = tp_rank % cfg.mapping.moe_tp_size
+    return torch.stack([src.read(hf_moe(cfg, i, "down", e), 1, r * part, (r + 1) * part)
+                        for e in expert_range(cfg, tp_rank)])
+
+
+def _moe_plan(cfg: PretrainedConfig, i: int, tp_rank: int) -> list[tuple[str, Builder]]:
+    tp = cfg.mapping.tp_size
+    plan = [(trt_layer(i, "mlp.router.weight"), partial(_whole, hf_moe(cfg, i, "router"))),
+            (trt_layer(i, "mlp.fc.weight"), partial(_expert_fc, cfg, i, tp_rank)),
+            (trt_layer(i, "mlp.proj.weight"), partial(_expert_proj, cfg, i, tp_rank))]
+    shared = cfg.moe.shared_expert_intermediate_size
+    if shared:
+        src = partial(hf_layer, i)
+        plan += [
+            (trt_layer(i, SHARED[0] + ".weight"),
+             partial(_split, src("mlp.shared_expert.gate_proj.weight"), 0, shared, tp, tp_rank)),
+            (trt_layer(i, SHARED[1] + ".weight"),
+             partial(_split, src("mlp.shared_expert.up_proj.weight"), 0, shared, tp, tp_rank)),
+            (trt_layer(i, SHARED[2] + ".weight"),
+             partial(_split, src("mlp.shared_expert.down_proj.weight"), 1, shared, tp, tp_rank)),
+            (trt_layer(i, "mlp.shared_expert_gate.weight"), partial(_whole, src("mlp.shared_expert_gate.weight"))),
+        ]
+    return plan
+
+
 def rank_plan(cfg: PretrainedConfig, rank: int) -> list[tuple[str, Builder]]:
     """(TensorRT-LLM name, builder) for every tensor of rank `rank`'s checkpoint file."""
     tp = cfg.mapping.tp_size
@@ -130,6 +193,11 @@ def rank_plan(cfg: PretrainedConfig, rank: int) -> list[tuple[str, Builder]]:
              partial(_split, hf_layer(i, "self_attn.o_proj.weight"), 1, q_out, tp, tp_rank)),
             (trt_layer(i, "post_layernorm.weight"),
              partial(_whole, hf_layer(i, "post_attention_layernorm.weight"))),
+        ]
+        if cfg.is_moe_layer(i):
+            plan += _moe_plan(cfg, i, tp_rank)
+            continue
+        plan += [
             # TensorRT-LLM's "fc" is the activated branch (HF gate_proj) and its "gate" the
             # multiplier (HF up_proj) - the names are swapped relative to HF's on purpose.
             (trt_layer(i, "mlp.fc.weight"),
@@ -171,20 +239,31 @@ def shard_tensor(cfg: PretrainedConfig, name: str, t: torch.Tensor, tp_rank: int
         part = cfg.vocab_size_padded // tp
         rows = t[tp_rank * part:(tp_rank + 1) * part]
         return torch.cat([rows, rows.new_zeros((part - rows.shape[0], *t.shape[1:]))]) if rows.shape[0] < part else rows
-    linear, _, suffix = name.partition(".layers.")[2].partition(".")[2].rpartition(".")
+    index, _, rest = name.partition(".layers.")[2].partition(".")
+    linear, _, suffix = rest.rpartition(".")
     if t.numel() == 1 or linear not in COLUMN_PARALLEL + ROW_PARALLEL:
-        return t  # norms, KV cache scales, per-tensor weight/activation scales
-    out, inp = linear_shapes(cfg)[linear]
+        return t  # norms, routers, KV cache scales, per-tensor weight/activation scales
+    layer = int(index)
+    out, inp = linear_shapes(cfg, layer)[linear]
+    experts = cfg.is_moe_layer(layer) and linear in EXPERT_LINEARS
+    if experts and suffix != "prequant_scaling_factor":  # [experts, ...]: the rank's experts, then per expert
+        held = expert_range(cfg, tp_rank)
+        return torch.stack([_shard_linear(cfg, linear, suffix, t[e], tp_rank, layer, out, inp) for e in held])
+    return _shard_linear(cfg, linear, suffix, t, tp_rank, layer, out, inp)
+
+
+def _shard_linear(cfg, linear, suffix, t, tp_rank, layer, out, inp) -> torch.Tensor:
     if linear in COLUMN_PARALLEL:
         if suffix == "prequant_scaling_factor":  # scales the shared input
             return t
-        return _rows(t, output_ranges(cfg, linear, tp_rank), out).contiguous()
+        return _rows(t, output_ranges(cfg, linear, tp_rank, layer), out).contiguous()
     # Row-parallel: the input dimension splits; a per-channel scale of the outputs is whole.
+    parts = input_split(cfg, linear, layer)
     if suffix == "prequant_scaling_factor":
         dim, size = 0, inp
     elif t.dim() == 2:  # the weight [out, in] (int4: [out / 2, in]) or group scales [out, in / g]
         dim, size = 1, t.shape[1]
     else:
         return t
-    part = size // tp
-    return t.narrow(dim, tp_rank * part, part).contiguous()
+    part = size // parts
+    return t.narrow(dim, (tp_rank % parts) * part, part).contiguous()

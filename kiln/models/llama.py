@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) on kiln plugins.
+"""The Llama family (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) and its mixtures of
+experts (Mixtral, Qwen2-MoE, Qwen3-MoE: kiln/models/moe.py) on kiln plugins.
 
 One rank's model: it holds the layers of its pipeline stage and runs one engine step (DESIGN.md,
 "The engine step") over a flat, unpadded token batch that mixes prefill chunks and decode tokens.
@@ -10,6 +11,7 @@ from torch import nn
 from kiln.config import ELEMENTWISE_PLUGINS, PretrainedConfig, torch_dtype
 from kiln.models import rope
 from kiln.models.linear import make_linear, packed_lm_head, tensor_specs
+from kiln.models.moe import MoeMLP, moe_tensor_specs
 from kiln.models.parallel import TensorParallel
 from kiln.plugins import cpu, gemm, ops
 
@@ -42,8 +44,9 @@ class _Ops:
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, weights: dict, prefix: str, packed: bool = False):
+    def __init__(self, config: PretrainedConfig, weights: dict, index: int, rank: int, packed: bool = False):
         super().__init__()
+        prefix = f"transformer.layers.{index}."
 
         def param(name, optional=False):
             key = prefix + name
@@ -62,9 +65,18 @@ class LlamaLayer(nn.Module):
         self.k_layernorm = param("attention.k_layernorm.weight", optional=not config.qk_layernorm)
         self.dense = linear("attention.dense")
         self.post_layernorm = param("post_layernorm.weight")
-        # fc (activated) and gate as one GEMM: one pass over the activations instead of two.
-        self.gate_up = linear("mlp.fc", "mlp.gate")
-        self.proj = linear("mlp.proj")
+        self.moe = self.gate_up = self.proj = None
+        if config.is_moe_layer(index):
+            self.moe = MoeMLP(config, weights, prefix, rank, packed)
+        else:
+            # fc (activated) and gate as one GEMM: one pass over the activations instead of two.
+            self.gate_up = linear("mlp.fc", "mlp.gate")
+            self.proj = linear("mlp.proj")
+
+    def mlp(self, x, silu_and_mul):
+        if self.moe is not None:
+            return self.moe(x, silu_and_mul)
+        return self.proj(silu_and_mul(self.gate_up(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -94,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         if self.is_first:
             self.vocab_embedding = nn.Parameter(weights["transformer.vocab_embedding.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
-            LlamaLayer(config, weights, f"transformer.layers.{i}.", self.packed) for i in self.layer_ids)
+            LlamaLayer(config, weights, i, rank, self.packed) for i in self.layer_ids)
         if self.is_last:
             self._init_head(weights, quantize_lm_head)
         self.register_buffer("inv_freq", rope.inv_freq(config), persistent=False)
@@ -157,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
                                        *(() if kv_scale is None else (kv_scale,)))
             hidden = self.tp.all_reduce(layer.dense(attn.reshape(T, H * D)))
             x, residual = o.fused_add_rms_norm(hidden, residual, layer.post_layernorm, self.eps)
-            hidden = self.tp.all_reduce(layer.proj(o.silu_and_mul(layer.gate_up(x))))
+            hidden = self.tp.all_reduce(layer.mlp(x, o.silu_and_mul))
 
         if not self.is_last:  # the next stage starts from the residual stream, as a layer would
             return hidden + residual
@@ -201,8 +213,12 @@ def checkpoint_tensors(config: PretrainedConfig, rank: int) -> dict[str, tuple[t
         p = f"transformer.layers.{i}."
         specs[p + "input_layernorm.weight"] = ((hidden,), model)
         specs[p + "post_layernorm.weight"] = ((hidden,), model)
-        for name, out, inp in (("attention.qkv", qkv_out, hidden), ("attention.dense", hidden, config.heads_per_rank * D),
-                               ("mlp.fc", inter, hidden), ("mlp.gate", inter, hidden), ("mlp.proj", hidden, inter)):
+        linears = [("attention.qkv", qkv_out, hidden), ("attention.dense", hidden, config.heads_per_rank * D)]
+        if config.is_moe_layer(i):
+            specs.update(moe_tensor_specs(config, p, rank))
+        else:
+            linears += [("mlp.fc", inter, hidden), ("mlp.gate", inter, hidden), ("mlp.proj", hidden, inter)]
+        for name, out, inp in linears:
             specs.update(tensor_specs(config, p + name, out, inp))
         if config.attn_bias:
             specs[p + "attention.qkv.bias"] = ((qkv_out,), model)

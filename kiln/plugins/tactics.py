@@ -188,11 +188,13 @@ def _time_us(layer, m: int, kernels: list[int], x_dtype: torch.dtype, budget_s: 
     from kiln.plugins import gemm
 
     x = torch.randn(m, layer.k, generator=torch.Generator().manual_seed(m)).to(x_dtype)
+    weight, scale = layer.weight, layer.scale
+    if weight.dim() == 4:  # a mixture's experts, stacked: each runs the GEMM of one
+        weight, scale = weight[0], None if scale is None else scale[0]
 
     def call(kernel):
         start = time.perf_counter()
-        gemm.gemm(x, layer.weight, layer.scale, layer.bias, layer.n, layer.group_size, layer.out_float,
-                  (1 << 62, kernel))
+        gemm.gemm(x, weight, scale, layer.bias, layer.n, layer.group_size, layer.out_float, (1 << 62, kernel))
         return time.perf_counter() - start
 
     calls = {k: [] for k in kernels}

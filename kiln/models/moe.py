@@ -1,0 +1,95 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) on the fused `kiln_cpp::moe` plugin.
+
+The router runs in the graph exactly as HF's: logits in the model dtype, a float32 softmax over all
+experts, top-k, optionally renormalized (moe.normalization_mode), cast back to the model dtype. The
+experts this rank holds (kiln/convert/layout.py) are packed per expert for the C++ GEMM and stacked;
+the plugin groups the step's tokens by expert and runs each chosen expert once over its tokens.
+A shared expert (Qwen2-MoE) is a dense MLP on every token, scaled by sigmoid(x . shared_expert_gate).
+The layer returns this rank's partial sum; the caller's all-reduce completes it across ranks.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.config import ConfigError, PretrainedConfig, torch_dtype
+from kiln.convert.layout import SHARED, expert_range
+from kiln.models.linear import INT4_ALGOS, PackedLinear, make_linear, quant_algo_of, tensor_specs
+from kiln.plugins import gemm, quant
+
+EXPERT_ALGOS = (None, "W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ")
+
+
+def moe_tensor_specs(config: PretrainedConfig, prefix: str, rank: int) -> dict[str, tuple[tuple, object]]:
+    """name -> (shape, kind) of a MoE layer's MLP tensors on a rank (prefix: transformer.layers.{i}.)."""
+    m, hidden = config.mapping, config.hidden_size
+    inter, experts = config.moe_intermediate_size // m.moe_tp_size, config.experts_per_rank
+    specs = {prefix + "mlp.router.weight": ((config.moe.num_experts, hidden), "model")}
+    for name, out, inp in (("mlp.fc", 2 * inter, hidden), ("mlp.proj", hidden, inter)):
+        for key, (shape, kind) in tensor_specs(config, prefix + name, out, inp).items():
+            per_tensor = key.endswith(("activation_scaling_factor", "prequant_scaling_factor", "_2"))
+            specs[key] = (shape if per_tensor else (experts, *shape), kind)
+    shared = config.moe.shared_expert_intermediate_size // m.tp_size
+    if shared:
+        for name, out, inp in ((SHARED[0], shared, hidden), (SHARED[1], shared, hidden), (SHARED[2], hidden, shared)):
+            specs.update(tensor_specs(config, prefix + name, out, inp))
+        specs[prefix + "mlp.shared_expert_gate.weight"] = ((1, hidden), "model")
+    return specs
+
+
+def _packed_experts(config: PretrainedConfig, weights: dict, name: str, n: int, k: int) -> PackedLinear:
+    """The rank's experts of linear `name` (mlp.fc or mlp.proj), each packed, stacked [experts, ...]."""
+    algo, g, dtype = quant_algo_of(config, name), config.quantization.group_size, torch_dtype(config.dtype)
+    if algo not in EXPERT_ALGOS:
+        raise ConfigError(f"quant_algo {algo} is not supported for a mixture of experts' experts; expected "
+                          f"unquantized, W8A16 or W4A16 (convert_checkpoint --qformat int8_wo / int4_wo)")
+    w = weights[name + ".weight"]
+    if any(key.startswith(name + ".prequant") for key in weights):
+        raise ConfigError(f"{name}: pre-quant scales on experts are not supported")
+    if algo is None:
+        return PackedLinear(torch.stack([gemm.pack(w[e].to(dtype)) for e in range(w.shape[0])]), n, k)
+    scale = weights[name + ".weights_scaling_factor"]
+    if algo == "W8A16":
+        return PackedLinear(torch.stack([gemm.pack(w[e]) for e in range(w.shape[0])]), n, k,
+                            torch.stack([gemm.pack_scale(scale[e], n) for e in range(w.shape[0])]))
+    parts = [gemm.pack_int4(quant.unpack_int4(w[e]), scale[e], g) for e in range(w.shape[0])]
+    return PackedLinear(torch.stack([p for p, _ in parts]), n, k, torch.stack([s for _, s in parts]), group_size=g)
+
+
+class MoeMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, weights: dict, prefix: str, rank: int, packed: bool):
+        super().__init__()
+        m, hidden = config.mapping, config.hidden_size
+        self.router = nn.Parameter(weights[prefix + "mlp.router.weight"].to(torch_dtype(config.dtype)),
+                                   requires_grad=False)
+        self.top_k, self.renormalize = config.moe.top_k, config.moe.normalization_mode == 1
+        self.inter = config.moe_intermediate_size // m.moe_tp_size
+        self.expert_start = expert_range(config, m.tp_rank(rank)).start
+        # PackedLinears so that engine-build times their kernels like any GEMM's (per expert's rows).
+        self.fc = _packed_experts(config, weights, prefix + "mlp.fc", 2 * self.inter, hidden)
+        self.proj = _packed_experts(config, weights, prefix + "mlp.proj", hidden, self.inter)
+        self.shared_gate_up = self.shared_proj = self.shared_gate = None
+        if config.moe.shared_expert_intermediate_size:
+            self.shared_gate_up = make_linear(config, weights, [prefix + SHARED[0], prefix + SHARED[1]], None, packed)
+            self.shared_proj = make_linear(config, weights, [prefix + SHARED[2]], None, packed)
+            self.shared_gate = nn.Parameter(weights[prefix + "mlp.shared_expert_gate.weight"].to(self.router.dtype),
+                                            requires_grad=False)
+
+    def forward(self, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
+        from kiln.plugins import cpp
+
+        probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        fc, proj = self.fc, self.proj
+        out = cpp.op("moe")(x, ids, weights.to(x.dtype), fc.weight, fc.scale, proj.weight, proj.scale,
+                            self.expert_start, self.inter, fc.group_size, _tactics(fc), _tactics(proj))
+        if self.shared_gate is not None:
+            shared = self.shared_proj(silu_and_mul(self.shared_gate_up(x)))
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+        return out
+
+
+def _tactics(layer: PackedLinear) -> list[int]:
+    # Never an empty list: AOTInductor's proxy executor passes an empty int[] constant as None.
+    return list(layer.tactics) or [1 << 62, 0]  # every token count: Kernel::Auto

@@ -57,6 +57,13 @@ VARIANTS = {
     # q/k RMSNorm, head_dim != hidden / heads
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False,
                                                        use_sliding_window=False)),
+    # mixtures of experts: top 2 of 8, renormalized
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2,
+                                                             sliding_window=None)),
+    # top 4 of 8 as they are, a gated shared expert, qkv bias, layer 1 a dense MLP
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        mlp_only_layers=[1], norm_topk_prob=False, use_sliding_window=False, tie_word_embeddings=False)),
 }
 
 
@@ -68,7 +75,7 @@ def make_model(name: str, path: Path, dtype=torch.float32, seed: int = 0) -> Pat
     config.architectures = [model_cls]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype).eval()
-    if getattr(config, "attention_bias", False) or model_cls == "Qwen2ForCausalLM":
+    if getattr(config, "attention_bias", False) or model_cls in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
         with torch.no_grad():  # biases start at zero; make them count
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

@@ -25,6 +25,8 @@ def convert_checkpoint(
     progress: bool = False,
     quant: "QuantOptions | None" = None,
     log: Callable[[str], object] | None = None,
+    moe_tp_size: int | None = None,
+    moe_ep_size: int | None = None,
 ) -> Path:
     """Convert the HF model in `model_dir` into a checkpoint dir with tp_size * pp_size rank files.
 
@@ -44,7 +46,9 @@ def convert_checkpoint(
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     hf = read_hf_config(model_dir)
-    cfg = pretrained_config_from_hf(hf, dtype, tp_size, pp_size, where=model_dir / "config.json")
+    cfg = pretrained_config_from_hf(hf, dtype, tp_size, pp_size, model_dir / "config.json", moe_tp_size, moe_ep_size)
+    if (moe_tp_size or moe_ep_size) and not cfg.moe.num_experts:
+        raise ConfigError(f"--moe_tp_size / --moe_ep_size split a mixture of experts; {cfg.architecture} has none")
     if quant is not None and quant.enabled:
         return _convert_quantized(cfg, quant, model_dir, output_dir, log or (lambda _: None))
     check_output_dir(model_dir, output_dir)
@@ -116,6 +120,12 @@ def _quant_note(quant, output_dir: Path) -> str:
               help="Tensor-parallel size: attention heads, MLP and vocab are split across this many ranks.")
 @click.option("--pp_size", type=int, default=1, show_default=True,
               help="Pipeline-parallel size: layers are split into this many consecutive stages.")
+@click.option("--moe_tp_size", type=int, default=None,
+              help="Mixtures of experts: ranks sharing each expert (its width split, as a dense MLP's). "
+                   "moe_tp_size * moe_ep_size = tp_size; default tp_size (or tp_size / --moe_ep_size).")
+@click.option("--moe_ep_size", type=int, default=None,
+              help="Mixtures of experts: expert-parallel groups, each holding num_experts / moe_ep_size "
+                   "whole experts. Default 1 (or tp_size / --moe_tp_size).")
 @click.option("--qformat", type=click.Choice(QFORMATS), default=None,
               help="Quantize the weights of every linear (lm_head and embedding stay unquantized): "
                    "fp8 (FP8), int8_wo (W8A16), int4_wo (W4A16, round-to-nearest), int4_awq "
@@ -148,11 +158,12 @@ def _quant_note(quant, output_dir: Path) -> str:
               help="Evaluation windows for the accuracy report, spread over the text; 0: all.")
 @click.pass_context
 def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | None,
-         tp_size: int, pp_size: int, qformat: str | None, awq_algorithm: str, kv_cache_dtype: str | None,
+         tp_size: int, pp_size: int, moe_tp_size: int | None, moe_ep_size: int | None, qformat: str | None, awq_algorithm: str, kv_cache_dtype: str | None,
          group_size: int | None, calib_dataset: tuple[Path, ...], calib_size: int, calib_max_seq_len: int,
          eval_dataset: tuple[Path, ...], eval_size: int) -> None:
-    """Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 model into a TensorRT-LLM-style unified
-    checkpoint with tp_size * pp_size rank files, ready for `engine-build`, optionally quantized.
+    """Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 or Mixtral/Qwen2-MoE/Qwen3-MoE model into a
+    TensorRT-LLM-style unified checkpoint with tp_size * pp_size rank files, ready for `engine-build`,
+    optionally quantized.
 
     \b
     Examples:
@@ -173,7 +184,8 @@ def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | Non
                              awq_algorithm)
     try:
         convert_checkpoint(model_dir, output_dir, dtype, tp_size, pp_size, progress=True, quant=quant,
-                           log=lambda msg: click.echo(msg, err=True))
+                           log=lambda msg: click.echo(msg, err=True), moe_tp_size=moe_tp_size,
+                           moe_ep_size=moe_ep_size)
         arch = read_json(output_dir / "config.json")["architecture"]
     except (ConfigError, OSError) as e:  # OSError: disk full, permissions - one line, no traceback
         click.echo(f"error: {e}", err=True)

@@ -186,15 +186,19 @@ def pretrained_config_from_hf(
     tp_size: int = 1,
     pp_size: int = 1,
     where: Path | str = "config.json",
+    moe_tp_size: int | None = None,
+    moe_ep_size: int | None = None,
 ) -> PretrainedConfig:
     """Map a Hugging Face config.json dict (either transformers major's layout) onto Kiln's config."""
     try:
-        return _map(hf, dtype, tp_size, pp_size)
+        mapping = Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size, moe_tp_size=moe_tp_size,
+                          moe_ep_size=moe_ep_size)
+        return _map(hf, dtype, mapping)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def _map(hf: dict, dtype: str | None, tp_size: int, pp_size: int) -> PretrainedConfig:
+def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
     hf, arch = _text_model(hf)
     family = ARCH_FAMILY[arch]
     if hf.get("quantization_config"):
@@ -258,7 +262,7 @@ def _map(hf: dict, dtype: str | None, tp_size: int, pp_size: int) -> PretrainedC
         tie_word_embeddings=bool(get("tie_word_embeddings")),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
-        mapping=Mapping(world_size=tp_size * pp_size, tp_size=tp_size, pp_size=pp_size),
+        mapping=mapping,
         **moe,
     )
 

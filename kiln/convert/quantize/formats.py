@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.config import ConfigError, PretrainedConfig, QuantConfig
-from kiln.convert.layout import linear_shapes, output_ranges
+from kiln.convert.layout import all_linear_shapes, input_split, linear_shapes, output_ranges
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,16 @@ LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
 
 
 def linear_prefixes(cfg: PretrainedConfig) -> list[str]:
-    return [f"transformer.layers.{i}.{p}" for i in range(cfg.num_hidden_layers) for p in LINEARS]
+    """Every quantized linear (a MoE layer's: its experts, stacked, and its shared expert; never the router)."""
+    return [f"transformer.layers.{i}.{p}" for i in range(cfg.num_hidden_layers) for p in linear_shapes(cfg, i)]
 
 
 def rank_inputs(cfg: PretrainedConfig) -> dict[str, int]:
     """The input size of every quantized linear as one tensor-parallel rank holds it: row-parallel
     linears (dense, proj) split their inputs across the ranks."""
-    tp = cfg.mapping.tp_size
-    return {name: inp // tp if name in ("attention.dense", "mlp.proj") else inp
-            for name, (_, inp) in linear_shapes(cfg).items()}
+    kinds = {cfg.is_moe_layer(i): i for i in range(cfg.num_hidden_layers)}
+    return {f"{'moe ' if moe else ''}{name}": inp // input_split(cfg, name, i)
+            for moe, i in kinds.items() for name, (_, inp) in linear_shapes(cfg, i).items()}
 
 
 def writes_pre_quant_scale(qformat: str, awq_algorithm: str = DEFAULT_AWQ_ALGORITHM) -> bool:
@@ -105,16 +106,20 @@ def check_options(cfg: PretrainedConfig, qformat: str | None, kv_cache_dtype: st
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_ALGOS:
         raise ConfigError(f"--kv_cache_dtype {kv_cache_dtype!r} is not supported; expected one of "
                           f"{', '.join(KV_CACHE_DTYPES)}")
+    if qformat is not None and cfg.moe.num_experts and FORMATS[qformat].calibrated:
+        raise ConfigError(f"--qformat {qformat} is not supported for a mixture of experts ({cfg.architecture}) yet; "
+                          f"expected int8_wo or int4_wo (round-to-nearest experts)")
     if qformat is None or not FORMATS[qformat].group_wise:
         return
     if group_size < 1:
         raise ConfigError(f"--group_size must be >= 1, got {group_size}")
-    for name, (out, inp) in linear_shapes(cfg).items():
+    shapes = all_linear_shapes(cfg)
+    for name, (out, inp) in shapes.items():
         if inp % group_size:
             raise ConfigError(
                 f"--group_size {group_size} does not divide the input dimension {inp} of "
                 f"{name} (shape [{out}, {inp}]); choose a group size that divides "
-                f"{', '.join(map(str, sorted({s[1] for s in linear_shapes(cfg).values()})))}")
+                f"{', '.join(map(str, sorted({s[1] for s in shapes.values()})))}")
         if out % 2:
             raise ConfigError(f"{name} has an odd output dimension {out}; int4 weights are packed "
                               f"two output rows per byte")
@@ -126,7 +131,8 @@ def check_options(cfg: PretrainedConfig, qformat: str | None, kv_cache_dtype: st
             raise ConfigError(f"--group_size {group_size} does not divide the input dimension {inp} that each of "
                               f"--tp_size {tp} ranks holds of {name}; choose a group size that divides "
                               f"{', '.join(map(str, sorted(set(rank_inputs(cfg).values()))))}")
-    for name in ("attention.qkv", "mlp.fc"):
-        if any(b % 2 for r in range(tp) for rng in output_ranges(cfg, name, r) for b in rng):
+    for name, layer in [("attention.qkv", 0)] + [("mlp.fc", i) for i in {cfg.is_moe_layer(i): i
+                                                                      for i in range(cfg.num_hidden_layers)}.values()]:
+        if any(b % 2 for r in range(tp) for rng in output_ranges(cfg, name, r, layer) for b in rng):
             raise ConfigError(f"--tp_size {tp} splits {name} at an odd output row; int4 weights are packed "
                               f"two output rows per byte")

@@ -40,24 +40,58 @@ def compare(ref_model, quant_model, windows: list[torch.Tensor], batch_size: int
             "kl_divergence_mean": kl / count, "top1_agreement": agree / count, "eval_tokens": count}
 
 
-def hf_linears(layer) -> dict[str, list[torch.nn.Module]]:
-    """A HF decoder layer's linears by checkpoint name (qkv: the q, k and v projections, in order)."""
+SHARED_LINEARS = {"mlp.shared_expert.fc": "mlp.shared_expert.gate_proj",
+                  "mlp.shared_expert.gate": "mlp.shared_expert.up_proj",
+                  "mlp.shared_expert.proj": "mlp.shared_expert.down_proj"}
+
+
+def hf_linears(layer, moe: bool = False) -> dict[str, list[torch.nn.Module]]:
+    """A HF decoder layer's linears by checkpoint name (qkv: the q, k and v projections, in order);
+    a MoE layer's shared expert instead of the dense MLP (its experts: _load_experts)."""
     attn = layer.self_attn
-    return {"attention.qkv": [attn.q_proj, attn.k_proj, attn.v_proj],
-            **{name: [layer.get_submodule(hf)] for name, hf in HF_LINEARS.items()}}
+    shared = moe and hasattr(_moe_block(layer), "shared_expert")
+    mlp = SHARED_LINEARS if shared else {}
+    return {"attention.qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "attention.dense": [attn.o_proj],
+            **{name: [layer.get_submodule(hf)] for name, hf in (mlp if moe else HF_LINEARS).items()
+               if name != "attention.dense"}}
+
+
+def _moe_block(layer):
+    return layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp  # Mixtral in transformers 4
+
+
+def _load_experts(layer, fc: torch.Tensor, proj: torch.Tensor) -> None:
+    """fc [experts, up rows; gate rows] and proj into HF's experts: stacked (transformers 5: gate_up_proj
+    with the gate rows first) or one module per expert (transformers 4; Mixtral's w1/w3/w2)."""
+    up, gate = fc.chunk(2, dim=1)
+    experts = _moe_block(layer).experts
+    if hasattr(experts, "gate_up_proj"):
+        experts.gate_up_proj.data.copy_(torch.cat([gate, up], dim=1))
+        experts.down_proj.data.copy_(proj)
+        return
+    for e, expert in enumerate(experts):
+        names = ("w1", "w3", "w2") if hasattr(expert, "w1") else ("gate_proj", "up_proj", "down_proj")
+        for name, w in zip(names, (gate[e], up[e], proj[e])):
+            getattr(expert, name).weight.data.copy_(w)
 
 
 def load_dequantized(model, tensors: dict[str, torch.Tensor], quant_algo: str, group_size: int,
                      num_layers: int) -> None:
     """Replace `model`'s linear weights with what the checkpoint tensors dequantize to (with any
-    pre-quant scales among them folded in)."""
+    pre-quant scales among them folded in). A layer with a router among the tensors is a MoE layer."""
     from kiln.convert.quantize.rtn import dequantize_linear
 
+    def dequantized(prefix, name):
+        parts = {k[len(prefix + name) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + name + ".")}
+        return dequantize_linear(parts, quant_algo, group_size)
+
     for i in range(num_layers):
-        prefix = f"transformer.layers.{i}."
-        for name, modules in hf_linears(model.model.layers[i]).items():
-            parts = {k[len(prefix + name) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + name + ".")}
-            weight = dequantize_linear(parts, quant_algo, group_size)
+        prefix, layer = f"transformer.layers.{i}.", model.model.layers[i]
+        moe = prefix + "mlp.router.weight" in tensors
+        if moe:
+            _load_experts(layer, dequantized(prefix, "mlp.fc"), dequantized(prefix, "mlp.proj"))
+        for name, modules in hf_linears(layer, moe).items():
+            weight = dequantized(prefix, name)
             for module, rows in zip(modules, weight.split([m.weight.shape[0] for m in modules])):
                 module.weight.data.copy_(rows)
 

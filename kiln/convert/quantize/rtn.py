@@ -44,7 +44,11 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_linear(w: torch.Tensor, quant_algo: str, group_size: int) -> dict[str, torch.Tensor]:
-    """A linear's checkpoint tensors (suffix -> tensor) for W8A16 or W4A16."""
+    """A linear's checkpoint tensors (suffix -> tensor) for W8A16 or W4A16; a mixture's experts
+    [experts, out, in] each on their own, stacked."""
+    if w.dim() == 3:
+        parts = [quantize_linear(e, quant_algo, group_size) for e in w]
+        return {key: torch.stack([p[key] for p in parts]) for key in parts[0]}
     if quant_algo == "W8A16":
         q, scale = int8_per_channel(w)
         return {"weight": q, "weights_scaling_factor": scale}
@@ -58,6 +62,9 @@ def dequantize_linear(t: dict[str, torch.Tensor], quant_algo: str, group_size: i
     """The float32 [out, in] weight a checkpoint's linear tensors stand for, with any pre-quant
     scale folded in (x @ (w * pqs).T == (x * pqs) @ w.T)."""
     weight, scale = t["weight"], t["weights_scaling_factor"].float()
+    if weight.dim() == 3:  # a mixture's experts
+        return torch.stack([dequantize_linear({k: v[e] for k, v in t.items()}, quant_algo, group_size)
+                            for e in range(weight.shape[0])])
     if quant_algo == "FP8":
         w = weight.float() * scale
     elif quant_algo in ("W8A16", "W8A8_SQ_PER_CHANNEL"):

@@ -223,6 +223,22 @@ class PretrainedConfig:
     def experts_per_rank(self) -> int:
         return self.moe.num_experts // self.mapping.moe_ep_size
 
+    def parameter_counts(self) -> tuple[int, int]:
+        """(parameters, parameters a token is computed with): a mixture of experts runs top_k experts."""
+        h, d, q, kv = self.hidden_size, self.head_size, self.num_attention_heads, self.num_key_value_heads
+        attention = h * d * (2 * q + 2 * kv) + 2 * h + (d * (q + 2 * kv) if self.attn_bias else 0)
+        total = active = self.num_hidden_layers * attention
+        for i in range(self.num_hidden_layers):
+            if not self.is_moe_layer(i):
+                total, active = total + 3 * h * self.intermediate_size, active + 3 * h * self.intermediate_size
+                continue
+            expert, shared = 3 * h * self.moe_intermediate_size, 3 * h * self.moe.shared_expert_intermediate_size
+            router = h * self.moe.num_experts + (h if shared else 0)
+            total += router + shared + self.moe.num_experts * expert
+            active += router + shared + self.moe.top_k * expert
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        return total + embeddings, active + embeddings
+
     def layers_of(self, pp_rank: int) -> range:
         """Layers held by a pipeline stage: an even split, earlier stages taking the remainder."""
         n, pp = self.num_hidden_layers, self.mapping.pp_size

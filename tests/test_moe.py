@@ -123,3 +123,19 @@ def test_moe_split_flags_are_checked(hf_model, tmp_path):
         convert_checkpoint(hf_model("mixtral"), tmp_path / "a", tp_size=2, moe_tp_size=2, moe_ep_size=2)
     with pytest.raises(ConfigError, match="has none"):
         convert_checkpoint(hf_model("llama"), tmp_path / "c", tp_size=2, moe_ep_size=2)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_parameter_counts_are_hfs(hf_model, name):
+    """What engine-build's summary and kiln serve's /v1/models report."""
+    import transformers
+
+    from kiln.convert.hf_config import pretrained_config_from_hf, read_hf_config
+
+    cfg = pretrained_config_from_hf(read_hf_config(hf_model(name)))
+    total, active = cfg.parameter_counts()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_model(name))
+    assert total == sum(p.numel() for p in model.parameters())
+    idle = cfg.moe.num_experts - cfg.moe.top_k
+    moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
+    assert active == total - moe_layers * idle * 3 * cfg.hidden_size * cfg.moe_intermediate_size

@@ -170,8 +170,13 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     size = sum(f.stat().st_size for f in output_dir.iterdir()) / 2**20
+    moe = ""
+    if pretrained.moe.num_experts:
+        total, active = pretrained.parameter_counts()
+        moe = (f"{pretrained.moe.num_experts} experts (top {pretrained.moe.top_k}), {active / 1e6:.1f}M of "
+               f"{total / 1e6:.1f}M parameters active per token, ")
     log(f"built {build.backend} engine in {time.time() - start:.1f}s: "
-        f"{pretrained.mapping.world_size} rank(s), {size:.1f} MB, peak RSS {peak_rss_mb():.0f} MB, "
+        f"{pretrained.mapping.world_size} rank(s), {size:.1f} MB, {moe}peak RSS {peak_rss_mb():.0f} MB, "
         f"{'' if build.quantize_lm_head == 'none' else f'{build.quantize_lm_head} lm_head, '}{tokenizer} "
         f"-> {output_dir}")
     return output_dir

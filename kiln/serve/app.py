@@ -255,8 +255,8 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         s = serving()
-        return ModelList(data=[ModelCard(id=name, root=str(config.engine_dir), max_model_len=s.max_model_len)
-                               for name in s.model_names])
+        return ModelList(data=[ModelCard(id=name, root=str(config.engine_dir), max_model_len=s.max_model_len,
+                                         **s.model_metadata) for name in s.model_names])
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

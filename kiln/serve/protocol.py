@@ -258,6 +258,12 @@ class ModelCard(BaseModel):
     owned_by: str = "kiln"
     root: str | None = None
     max_model_len: int | None = None
+    # What the engine computes with: all parameters, those one token is computed with (a mixture of
+    # experts runs experts_per_token of its num_experts per layer; both null for a dense model).
+    parameters: int | None = None
+    active_parameters: int | None = None
+    num_experts: int | None = None
+    experts_per_token: int | None = None
 
 
 class ModelList(BaseModel):

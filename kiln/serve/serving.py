@@ -38,6 +38,11 @@ class Serving:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.max_model_len = llm.build_config.max_seq_len
         self.vocab_size = llm.model_config.vocab_size
+        model = llm.model_config
+        total, active = model.parameter_counts()
+        self.model_metadata = dict(parameters=total, active_parameters=active,
+                                   num_experts=model.moe.num_experts or None,
+                                   experts_per_token=model.moe.top_k or None)
         self.token_str = functools.lru_cache(maxsize=1 << 16)(self._token_str)
 
     # -- requests ------------------------------------------------------------------------------

@@ -51,11 +51,14 @@ def converter(work: Path) -> Path:
 # its HF-tokenizer detection does not guess. The benchmark feeds token ids, so only the ids matter.
 CONVERT_WORD_LEVEL = (
     "import runpy, sys\n"
-    "import conversion.base as base, conversion.llama as llama\n"
+    "import conversion.base as base, conversion.llama as llama, conversion.qwen as qwen\n"
     "def set_vocab(self):\n"
     "    base.TextModel._set_vocab_whitespace(self)\n"
     "    self.gguf_writer.add_token_merges(['t1 t2'])  # llama.cpp's BPE loader insists on merges\n"
-    "llama.LlamaModel.set_vocab = set_vocab\n"
+    "for module in (llama, qwen):  # Llama, Mixtral, Qwen3-MoE ...\n"
+    "    for c in vars(module).values():\n"
+    "        if isinstance(c, type) and issubclass(c, base.TextModel):\n"
+    "            c.set_vocab = set_vocab\n"
     "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'whitespace'\n"
     "sys.argv = sys.argv[1:]\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n")

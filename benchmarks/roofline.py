@@ -31,14 +31,12 @@ def bandwidth(gib: float, threads: int, repeats: int = 5) -> dict[str, float]:
 
 
 def decode_bytes_per_token(engine, context: int) -> int:
-    """Weights (each read once per step) plus the K/V of `context` tokens."""
+    """The weights a token is computed with (each read once per step; a mixture of experts' chosen
+    experts only) plus the K/V of `context` tokens."""
     p = engine.config.pretrained_config
     itemsize = torch.empty(0, dtype=getattr(torch, p.dtype)).element_size()
-    h, inter, d = p.hidden_size, p.intermediate_size, p.head_size
-    per_layer = h * (p.num_attention_heads + 2 * p.num_key_value_heads) * d + p.num_attention_heads * d * h \
-        + 3 * h * inter + 2 * h
     # The vocab GEMM reads the whole (tied or separate) lm_head; the embedding lookup one row.
-    weights = p.num_hidden_layers * per_layer + p.vocab_size * h + 2 * h
+    weights = p.parameter_counts()[1] - (0 if p.tie_word_embeddings else p.vocab_size * p.hidden_size)
     kv_per_token = engine.bytes_per_block // engine.config.build_config.tokens_per_block
     return weights * itemsize + context * kv_per_token
 

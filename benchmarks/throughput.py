@@ -22,7 +22,8 @@ and measures each against its single-rank engine in the same run (every engine's
 first token to the last finish; HF is not measured then), with the cost of one all-reduce of the hidden
 state (shared memory and gloo, benchmarks/all_reduce.py) and each rank's build time and peak RSS (tp
 must divide the KV heads: 3 for SmolLM-135M, 8 for llama-1b).
---shape llama-1b uses Llama-3.2-1B's shape instead of SmolLM-135M's, and --build_only stops after the builds.
+--shape llama-1b uses Llama-3.2-1B's shape instead of SmolLM-135M's (mixtral-s and qwen3-moe-s: small
+mixtures of experts shaped like Mixtral-8x7B and Qwen3-30B-A3B), and --build_only stops after the builds.
 
   python benchmarks/throughput.py --batch 1 16 --output_len 128 --json out.json
   python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --llama_cpp --batch 1 16
@@ -52,19 +53,36 @@ SMOLLM_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, nu
                    bos_token_id=0, eos_token_id=0)
 LLAMA_1B = dict(SMOLLM_135M, vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
-SHAPES = {"smollm-135m": SMOLLM_135M, "llama-1b": LLAMA_1B}
+# Mixtures of experts, small but shaped like the published ones: Mixtral-8x7B's 8 experts, top 2, experts
+# 3.5x the hidden size and 4:1 GQA; Qwen3-30B-A3B's 128 experts, top 8 renormalized, experts 0.375x the
+# hidden size, q/k norm, head_dim 128 (its attention 2x the hidden size).
+MIXTRAL_S = dict(config="MixtralConfig", vocab_size=32000, hidden_size=512, intermediate_size=1792,
+                 num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
+                 num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+QWEN3_MOE_S = dict(config="Qwen3MoeConfig", vocab_size=32000, hidden_size=512, intermediate_size=1536,
+                   moe_intermediate_size=192, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                   head_dim=128, max_position_embeddings=8192, num_experts=128, num_experts_per_tok=8,
+                   norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                   bos_token_id=0, eos_token_id=0)
+SHAPES = {"smollm-135m": SMOLLM_135M, "llama-1b": LLAMA_1B, "mixtral-s": MIXTRAL_S, "qwen3-moe-s": QWEN3_MOE_S}
 
 
 def make_model(out: Path, dtype: torch.dtype, shape: dict = SMOLLM_135M) -> Path:
-    """A random Llama of the given shape, with a word-level tokenizer covering its whole vocab."""
+    """A random model of the given shape (a Llama unless it names another config class), with a
+    word-level tokenizer covering its whole vocab."""
+    import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     if (out / "config.json").exists():
         return out
-    config = LlamaConfig(**shape, architectures=["LlamaForCausalLM"])
+    shape = dict(shape)
+    config_cls = getattr(transformers, shape.pop("config", "LlamaConfig"))
+    arch = config_cls.__name__.replace("Config", "ForCausalLM")
+    config = config_cls(**shape, architectures=[arch])
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(dtype).save_pretrained(out, safe_serialization=True)
+    getattr(transformers, arch)(config).to(dtype).save_pretrained(out, safe_serialization=True)
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -413,7 +431,9 @@ def main():
         roof = max(v for t in sorted({1, threads}) for v in bandwidth(1.0, t).values())
         torch.set_num_threads(threads)
         moved = decode_bytes_per_token(llm.llm_engine.core.executor.engine, args.input_len + args.output_len // 2)
-        results["roofline"] = {"gb_s": roof, "batch1_gb_s": moved * ours["decode"][min(args.batch)] / 1e9}
+        total, active = llm.llm_engine.model_config.parameter_counts()
+        results["roofline"] = {"gb_s": roof, "batch1_gb_s": moved * ours["decode"][min(args.batch)] / 1e9,
+                               "bytes_per_token": moved, "parameters": total, "active_parameters": active}
     llm.llm_engine.shutdown()
     del llm
     for key, other_dir in engines.items():
@@ -461,7 +481,8 @@ def main():
     if "roofline" in results:
         r = results["roofline"]
         print(f"roofline: {r['gb_s']:.1f} GB/s; batch-{min(args.batch)} decode moves {r['batch1_gb_s']:.1f} GB/s "
-              f"= {r['batch1_gb_s'] / r['gb_s']:.0%}")
+              f"= {r['batch1_gb_s'] / r['gb_s']:.0%} ({r['bytes_per_token'] / 1e6:.1f} MB per token: "
+              f"{r['active_parameters'] / 1e6:.1f}M active parameters of {r['parameters'] / 1e6:.1f}M, and the K/V)")
     if len(args.formats) > 1 or any(flag in results for flag in PEERS):
         print(f"\ntokens/s, {results['threads']} threads | " + " | ".join(f"decode b{b}" for b in args.batch)
               + f" | prefill {args.prefill_len}")

@@ -1,7 +1,9 @@
 """Trains Kiln's default model: a small Llama (GQA, tied embeddings) on the Python standard library's
-own source files, with a byte-level BPE tokenizer trained on the same files.
+own source files, with a byte-level BPE tokenizer trained on the same files (or, with --experts, a
+Mixtral of the same shape, whose quantized formats benchmarks/quant.py scores).
 
     python examples/train_default_model.py --minutes 40 --out models/kiln-tiny-stdlib
+    python examples/train_default_model.py --minutes 15 --experts 8 --top_k 2 --intermediate 256 --out bench_out/moe-stdlib
 
 Every machine with Python has the data, and it may be redistributed (PSF License). Files are split
 deterministically: after sorting the kept files by their path relative to the stdlib folder, every
@@ -85,14 +87,20 @@ def token_stream(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.
 
 
 def make_model(args, vocab_size: int, eot_id: int) -> LlamaForCausalLM:
-    config = LlamaConfig(
+    """A Llama, or with --experts a Mixtral (the same model with --experts SwiGLU experts of
+    --intermediate width per layer, --top_k of them per token)."""
+    common = dict(
         vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=args.max_positions, rope_theta=10000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=True, bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id,
-        initializer_range=0.02, architectures=["LlamaForCausalLM"])
+        initializer_range=0.02)
     torch.manual_seed(args.seed)
-    return LlamaForCausalLM(config)
+    if args.experts:
+        config = transformers.MixtralConfig(**common, num_local_experts=args.experts, num_experts_per_tok=args.top_k,
+                                            sliding_window=None, architectures=["MixtralForCausalLM"])
+        return transformers.MixtralForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**common, architectures=["LlamaForCausalLM"]))
 
 
 def autocast(dtype: str):
@@ -126,8 +134,12 @@ def learning_rate(args, step: int, progress: float) -> float:
 
 
 def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=batch[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    moe = getattr(model.config, "num_local_experts", 0) > 0
+    out = model(input_ids=batch[:, :-1], output_router_logits=moe) if moe else model(input_ids=batch[:, :-1])
+    loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    if moe and model.training:  # Mixtral's load-balancing loss keeps every expert in use
+        loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+    return loss
 
 
 def train(args, model, stream: torch.Tensor, held_out: torch.Tensor, log) -> dict:
@@ -202,7 +214,7 @@ its output is not correct code.
 
 ## Architecture
 
-`LlamaForCausalLM` (Hugging Face transformers {transformers.__version__}), weights in bfloat16 safetensors.
+`{config.architectures[0]}` (Hugging Face transformers {transformers.__version__}), weights in bfloat16 safetensors.
 
 | | |
 |---|---|
@@ -296,6 +308,8 @@ def main() -> None:
     p.add_argument("--min_lr", type=float, default=3e-4)
     p.add_argument("--warmup_steps", type=int, default=100)
     p.add_argument("--weight_decay", type=float, default=0.1)
+    p.add_argument("--experts", type=int, default=0, help="a Mixtral with this many experts per layer (0: a Llama)")
+    p.add_argument("--top_k", type=int, default=2, help="experts per token, with --experts")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32", help="bf16 = bfloat16 autocast")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

@@ -248,7 +248,8 @@ def shard_tensor(cfg: PretrainedConfig, name: str, t: torch.Tensor, tp_rank: int
     experts = cfg.is_moe_layer(layer) and linear in EXPERT_LINEARS
     if experts and suffix != "prequant_scaling_factor":  # [experts, ...]: the rank's experts, then per expert
         held = expert_range(cfg, tp_rank)
-        return torch.stack([_shard_linear(cfg, linear, suffix, t[e], tp_rank, layer, out, inp) for e in held])
+        return torch.stack([t[e] if t[e].numel() == 1 else _shard_linear(cfg, linear, suffix, t[e], tp_rank, layer,
+                                                                          out, inp) for e in held])
     return _shard_linear(cfg, linear, suffix, t, tp_rank, layer, out, inp)
 
 

@@ -16,7 +16,7 @@ from kiln.convert.layout import SHARED, expert_range
 from kiln.models.linear import INT4_ALGOS, PackedLinear, make_linear, quant_algo_of, tensor_specs
 from kiln.plugins import gemm, quant
 
-EXPERT_ALGOS = (None, "W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ")
+EXPERT_ALGOS = (None, "W8A16", "W4A16", "FP8")
 
 
 def moe_tensor_specs(config: PretrainedConfig, prefix: str, rank: int) -> dict[str, tuple[tuple, object]]:
@@ -36,22 +36,35 @@ def moe_tensor_specs(config: PretrainedConfig, prefix: str, rank: int) -> dict[s
     return specs
 
 
+def _gate_first(t: torch.Tensor) -> torch.Tensor:
+    """An expert's fc rows (or their scales) [up; gate] -> [gate; up], what silu_and_mul reads."""
+    up, gate = t.chunk(2, dim=0)
+    return torch.cat([gate, up])
+
+
 def _packed_experts(config: PretrainedConfig, weights: dict, name: str, n: int, k: int) -> PackedLinear:
-    """The rank's experts of linear `name` (mlp.fc or mlp.proj), each packed, stacked [experts, ...]."""
+    """The rank's experts of linear `name` (mlp.fc or mlp.proj), each packed, stacked [experts, ...];
+    fc's rows reordered gate first."""
     algo, g, dtype = quant_algo_of(config, name), config.quantization.group_size, torch_dtype(config.dtype)
+    order = _gate_first if name.endswith("mlp.fc") else (lambda t: t)
     if algo not in EXPERT_ALGOS:
         raise ConfigError(f"quant_algo {algo} is not supported for a mixture of experts' experts; expected "
-                          f"unquantized, W8A16 or W4A16 (convert_checkpoint --qformat int8_wo / int4_wo)")
+                          f"unquantized, W8A16, W4A16 or FP8 (convert_checkpoint --qformat int8_wo / int4_wo / fp8)")
     w = weights[name + ".weight"]
     if any(key.startswith(name + ".prequant") for key in weights):
         raise ConfigError(f"{name}: pre-quant scales on experts are not supported")
     if algo is None:
-        return PackedLinear(torch.stack([gemm.pack(w[e].to(dtype)) for e in range(w.shape[0])]), n, k)
-    scale = weights[name + ".weights_scaling_factor"]
+        return PackedLinear(torch.stack([gemm.pack(order(w[e].to(dtype))) for e in range(w.shape[0])]), n, k)
+    scale, experts = weights[name + ".weights_scaling_factor"], range(w.shape[0])
+    if algo == "FP8":  # per-tensor activation scale shared by the experts, one weight scale each
+        act = weights[name + ".activation_scaling_factor"].reshape(()).float()
+        return PackedLinear(torch.stack([gemm.pack(order(w[e])) for e in experts]), n, k,
+                            torch.stack([gemm.pack_scale(act * scale[e].float(), n) for e in experts]),
+                            act_scale=act, act_dtype=quant.FP8)
     if algo == "W8A16":
-        return PackedLinear(torch.stack([gemm.pack(w[e]) for e in range(w.shape[0])]), n, k,
-                            torch.stack([gemm.pack_scale(scale[e], n) for e in range(w.shape[0])]))
-    parts = [gemm.pack_int4(quant.unpack_int4(w[e]), scale[e], g) for e in range(w.shape[0])]
+        return PackedLinear(torch.stack([gemm.pack(order(w[e])) for e in range(w.shape[0])]), n, k,
+                            torch.stack([gemm.pack_scale(order(scale[e]), n) for e in range(w.shape[0])]))
+    parts = [gemm.pack_int4(order(quant.unpack_int4(w[e])), order(scale[e]), g) for e in range(w.shape[0])]
     return PackedLinear(torch.stack([p for p, _ in parts]), n, k, torch.stack([s for _, s in parts]), group_size=g)
 
 
@@ -82,8 +95,9 @@ class MoeMLP(nn.Module):
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         fc, proj = self.fc, self.proj
-        out = cpp.op("moe")(x, ids, weights.to(x.dtype), fc.weight, fc.scale, proj.weight, proj.scale,
-                            self.expert_start, self.inter, fc.group_size, _tactics(fc), _tactics(proj))
+        xq = x if fc.act_scale is None else quant.quantize_to(x, fc.act_scale, fc.act_dtype).to(x.dtype)
+        out = cpp.op("moe")(xq, ids, weights.to(x.dtype), fc.weight, fc.scale, proj.weight, proj.scale,
+                            self.expert_start, self.inter, fc.group_size, _tactics(fc), _tactics(proj), proj.act_scale)
         if self.shared_gate is not None:
             shared = self.shared_proj(silu_and_mul(self.shared_gate_up(x)))
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared

@@ -29,6 +29,10 @@ FORMATS = {
                       "W8A8_SQ_PER_CHANNEL"),
 }
 QFORMATS = tuple(FORMATS)
+# What a mixture of experts' experts can be: per-expert weight scales, and FP8's per-tensor activation
+# scales (ModelOpt's export takes the largest over the experts). AWQ/GPTQ/SmoothQuant would need per-expert
+# input scales the fused op does not take.
+MOE_QFORMATS = ("int8_wo", "int4_wo", "fp8")
 
 # ModelOpt's AWQ algorithms for int4_awq (--awq_algorithm). "lite" searches one per-input-channel
 # scale per linear (written as prequant_scaling_factor); "clip" searches, per weight group, the
@@ -106,9 +110,9 @@ def check_options(cfg: PretrainedConfig, qformat: str | None, kv_cache_dtype: st
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_ALGOS:
         raise ConfigError(f"--kv_cache_dtype {kv_cache_dtype!r} is not supported; expected one of "
                           f"{', '.join(KV_CACHE_DTYPES)}")
-    if qformat is not None and cfg.moe.num_experts and FORMATS[qformat].calibrated:
+    if qformat is not None and cfg.moe.num_experts and qformat not in MOE_QFORMATS:
         raise ConfigError(f"--qformat {qformat} is not supported for a mixture of experts ({cfg.architecture}) yet; "
-                          f"expected int8_wo or int4_wo (round-to-nearest experts)")
+                          f"expected one of {', '.join(MOE_QFORMATS)}")
     if qformat is None or not FORMATS[qformat].group_wise:
         return
     if group_size < 1:

@@ -130,8 +130,12 @@ def read_export(export_dir: Path, expected_algo: str | None, num_layers: int,
     for i in range(num_layers):
         layer = f"transformer.layers.{i}."
         wanted += [layer + f"attention.{s}" for s in KV_SCALES] if kv else []
+        linears = LINEARS
+        if layer + "mlp.router.weight" in exported:  # a MoE layer: experts stacked, a shared expert fused
+            linears = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.proj") + tuple(
+                n for n in ("mlp.shared_expert.fc", "mlp.shared_expert.proj") if layer + n + ".weight" in exported)
         if algo:
-            wanted += [layer + f"{p}.{s}" for p in LINEARS for s in ("weight",) + SCALE_SUFFIXES]
+            wanted += [layer + f"{p}.{s}" for p in linears for s in ("weight",) + SCALE_SUFFIXES]
     tensors = {}
     for name in wanted:
         if name in exported:
@@ -155,7 +159,7 @@ def match_checkpoint(model, tensors: dict[str, torch.Tensor], quant_algo: str | 
     and weights one step off in a few elements (it divides by the scale in 16-bit arithmetic).
     The weights become the checkpoint's, dequantized (the weight quantizers map them onto
     themselves); pre-quant scales go to the input quantizers; KV scales to the K/V quantizers."""
-    from kiln.convert.quantize.report import hf_linears, load_dequantized
+    from kiln.convert.quantize.report import hf_linears, is_moe_layer, load_dequantized
 
     pqs = {k: v for k, v in tensors.items() if k.endswith(".prequant_scaling_factor")}
     with torch.inference_mode():  # export left inference tensors behind
@@ -164,7 +168,7 @@ def match_checkpoint(model, tensors: dict[str, torch.Tensor], quant_algo: str | 
                              group_size, num_layers)
         for i in range(num_layers):
             layer, prefix = model.model.layers[i], f"transformer.layers.{i}."
-            for name, modules in hf_linears(layer).items():
+            for name, modules in hf_linears(layer, is_moe_layer(layer)).items():
                 if prefix + name + ".prequant_scaling_factor" in pqs:
                     for module in modules:
                         module.input_quantizer.pre_quant_scale = pqs[prefix + name + ".prequant_scaling_factor"].float()
@@ -174,10 +178,49 @@ def match_checkpoint(model, tensors: dict[str, torch.Tensor], quant_algo: str | 
                     q.amax = amax.reshape(q.amax.shape)
 
 
+def _closer(candidate: torch.Tensor, other: torch.Tensor, reference: torch.Tensor) -> bool:
+    return (candidate - reference).abs().mean() <= (other - reference).abs().mean()
+
+
+def _swap_halves(t: torch.Tensor, dim: int) -> torch.Tensor:
+    a, b = t.view(torch.uint8).chunk(2, dim=dim)  # on the bits: cat of fp8 tensors is not everywhere
+    return torch.cat([b, a], dim=dim).view(t.dtype)
+
+
+def adopt_moe(tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor], num_layers: int) -> None:
+    """ModelOpt's export of a MoE layer in Kiln's layout (kiln/convert/layout.py): each expert's fc
+    as [up; gate] and the shared expert's fused gate and up split into fc (gate_proj) and gate
+    (up_proj). Which half ModelOpt wrote first is read off the unquantized weights (`base`, Kiln's
+    own layout), not assumed: its order differs between its model paths and versions."""
+    def deq(name, w):
+        return w.float() * tensors[name + ".weights_scaling_factor"].float().reshape(-1, *[1] * (w.dim() - 1))
+
+    for i in range(num_layers):
+        p = f"transformer.layers.{i}."
+        if p + "mlp.router.weight" not in base or p + "mlp.fc.weight" not in tensors:
+            continue
+        fc, ref = tensors[p + "mlp.fc.weight"], base[p + "mlp.fc.weight"].float()
+        swapped = _swap_halves(fc, 1)
+        if not _closer(deq(p + "mlp.fc", fc), deq(p + "mlp.fc", swapped), ref):
+            tensors[p + "mlp.fc.weight"] = swapped
+        fused, gate = p + "mlp.shared_expert.fc", p + "mlp.shared_expert.gate"
+        if fused + ".weight" in tensors and tensors[fused + ".weight"].shape[0] == 2 * base[fused + ".weight"].shape[0]:
+            first, second = tensors[fused + ".weight"].view(torch.uint8).chunk(2)
+            first, second = first.view(tensors[fused + ".weight"].dtype), second.view(tensors[fused + ".weight"].dtype)
+            if not _closer(deq(fused, first), deq(fused, second), base[fused + ".weight"].float()):
+                first, second = second, first
+            tensors[fused + ".weight"], tensors[gate + ".weight"] = first.contiguous(), second.contiguous()
+            for suffix in SCALE_SUFFIXES:
+                if f"{fused}.{suffix}" in tensors:
+                    tensors[f"{gate}.{suffix}"] = tensors[f"{fused}.{suffix}"].clone()
+
+
 def quantize_and_export(model, architecture: str, qformat: str | None, kv_cache_dtype: str | None,
                         group_size: int, calib: list[torch.Tensor], num_layers: int, dtype: str,
                         log: Callable[[str], object] = lambda _: None,
-                        awq_algorithm: str = DEFAULT_AWQ_ALGORITHM) -> dict[str, torch.Tensor]:
+                        awq_algorithm: str = DEFAULT_AWQ_ALGORITHM,
+                        base: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """base: the unquantized checkpoint's tensors, in Kiln's layout (a mixture of experts needs them)."""
     from kiln.config import torch_dtype
 
     what = " + ".join(x for x in (qformat, kv_cache_dtype and f"{kv_cache_dtype} KV cache") if x)
@@ -190,6 +233,8 @@ def quantize_and_export(model, architecture: str, qformat: str | None, kv_cache_
     with tempfile.TemporaryDirectory(prefix="kiln-modelopt-") as tmp:
         export(model, architecture, dtype, Path(tmp))
         _, tensors = read_export(Path(tmp), expected, num_layers, torch_dtype(dtype))
+    if base is not None:
+        adopt_moe(tensors, base, num_layers)
     if qformat and not writes_pre_quant_scale(qformat, awq_algorithm):
         # GPTQ, awq_clip and plain int4 go out under AWQ's name; a pre-quant scale there could
         # only be ones. (ModelOpt's own config says pre_quant_scale: true even for awq_clip, whose

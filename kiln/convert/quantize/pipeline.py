@@ -105,7 +105,7 @@ def quantize(cfg: PretrainedConfig, opts: QuantOptions, texts: Prepared, weights
         ref_model = copy.deepcopy(quant_model) if split.eval else None
         quantized = quantize_and_export(quant_model, cfg.architecture, opts.qformat, opts.kv_cache_dtype,
                                         group, split.calib, cfg.num_hidden_layers, cfg.dtype, log,
-                                        opts.awq_algorithm)
+                                        opts.awq_algorithm, base)
         method = f"ModelOpt {FORMATS[opts.qformat].modelopt_cfg if opts.qformat else 'KV cache'}"
         if opts.qformat == "int4_awq":
             method += f" ({AWQ_ALGORITHMS[opts.awq_algorithm]})"

@@ -56,6 +56,11 @@ def hf_linears(layer, moe: bool = False) -> dict[str, list[torch.nn.Module]]:
                if name != "attention.dense"}}
 
 
+def is_moe_layer(layer) -> bool:
+    """Whether a HF decoder layer is a mixture of experts (Mixtral's block_sparse_moe, the Qwens' mlp)."""
+    return hasattr(layer, "block_sparse_moe") or hasattr(getattr(layer, "mlp", None), "experts")
+
+
 def _moe_block(layer):
     return layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp  # Mixtral in transformers 4
 
@@ -78,7 +83,7 @@ def _load_experts(layer, fc: torch.Tensor, proj: torch.Tensor) -> None:
 def load_dequantized(model, tensors: dict[str, torch.Tensor], quant_algo: str, group_size: int,
                      num_layers: int) -> None:
     """Replace `model`'s linear weights with what the checkpoint tensors dequantize to (with any
-    pre-quant scales among them folded in). A layer with a router among the tensors is a MoE layer."""
+    pre-quant scales among them folded in)."""
     from kiln.convert.quantize.rtn import dequantize_linear
 
     def dequantized(prefix, name):
@@ -87,7 +92,7 @@ def load_dequantized(model, tensors: dict[str, torch.Tensor], quant_algo: str, g
 
     for i in range(num_layers):
         prefix, layer = f"transformer.layers.{i}.", model.model.layers[i]
-        moe = prefix + "mlp.router.weight" in tensors
+        moe = is_moe_layer(layer)
         if moe:
             _load_experts(layer, dequantized(prefix, "mlp.fc"), dequantized(prefix, "mlp.proj"))
         for name, modules in hf_linears(layer, moe).items():

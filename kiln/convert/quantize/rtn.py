@@ -62,9 +62,9 @@ def dequantize_linear(t: dict[str, torch.Tensor], quant_algo: str, group_size: i
     """The float32 [out, in] weight a checkpoint's linear tensors stand for, with any pre-quant
     scale folded in (x @ (w * pqs).T == (x * pqs) @ w.T)."""
     weight, scale = t["weight"], t["weights_scaling_factor"].float()
-    if weight.dim() == 3:  # a mixture's experts
-        return torch.stack([dequantize_linear({k: v[e] for k, v in t.items()}, quant_algo, group_size)
-                            for e in range(weight.shape[0])])
+    if weight.dim() == 3:  # a mixture's experts: per-expert tensors stack, per-tensor ones are shared
+        return torch.stack([dequantize_linear({k: v[e] if v.dim() > 1 else v for k, v in t.items()}, quant_algo,
+                                              group_size) for e in range(weight.shape[0])])
     if quant_algo == "FP8":
         w = weight.float() * scale
     elif quant_algo in ("W8A16", "W8A8_SQ_PER_CHANNEL"):

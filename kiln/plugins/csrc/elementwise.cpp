@@ -200,6 +200,9 @@ at::Tensor silu_and_mul_meta(const at::Tensor& x) {
 }
 
 }  // namespace
+
+void silu_and_mul(const SiluMulParams& p, int64_t begin, int64_t end) { kernels().silu_and_mul(p, begin, end); }
+
 }  // namespace kiln
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {

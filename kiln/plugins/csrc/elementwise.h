@@ -59,4 +59,7 @@ KILN_DECLARE_ELEMENTWISE_KERNELS(DEFAULT)
 KILN_DECLARE_ELEMENTWISE_KERNELS(AVX2)
 KILN_DECLARE_ELEMENTWISE_KERNELS(AVX512)
 
+// Rows [begin, end) of SiLU-and-multiply on this CPU's kernel (for ops with loops of their own: moe.cpp).
+void silu_and_mul(const SiluMulParams& p, int64_t begin, int64_t end);
+
 }  // namespace kiln

@@ -1,27 +1,43 @@
 // kiln_cpp::moe: a mixture-of-experts MLP over a step's tokens, on kiln_cpp::gemm's kernels.
 //
 //   moe(x [T, H], topk_ids [T, k], topk_weights [T, k], fc, fc_scale?, proj, proj_scale?, expert_start,
-//       inter, group_size, fc_tactics, proj_tactics) -> [T, H] in x's dtype
+//       inter, group_size, fc_tactics, proj_tactics, proj_act_scale?) -> [T, H] in x's dtype
+//
+// FP8 experts (fp8 weights, per-tensor activation scales) take x already on the fp8 grid (x / scale
+// rounded to fp8, in x's dtype, as PackedLinear rounds it) and proj_act_scale, by which the SiLU-and-
+// multiply output is rounded onto its grid likewise; their scales fold the activation scales in.
 //
 // fc and proj stack one packed weight per expert this rank holds (experts expert_start ..
-// expert_start + E - 1; kiln/plugins/gemm.py packs each): fc [E, <panels of [2 * inter, H]>] with an
-// expert's up rows before its gate rows (TensorRT-LLM's layout), proj [E, <panels of [H, inter]>];
-// the scales stack the same way. Tokens are grouped by expert, so each expert's weights are read once
-// per step and only the experts some token chose are read at all: a batch-1 decode reads k experts.
-// Each expert runs silu(x W_gate) * (x W_up) then W_down over its tokens only, as one GEMM each over
-// those rows with the kernel its tactics pick for that row count; the outputs are weighted by the
-// routing weights and summed per token in float32. Ids of experts another rank holds (expert
+// expert_start + E - 1; kiln/models/moe.py packs each): fc [E, <panels of [2 * inter, H]>] with an
+// expert's gate rows before its up rows, proj [E, <panels of [H, inter]>]; the scales stack the same
+// way. The step's (token, expert) pairs are sorted by expert and each chosen expert runs once over
+// its rows: silu(x W_gate) * (x W_up), then W_down, each one GEMM with the kernel its tactics pick
+// for that row count. So each expert's weights are read once per step, and only the experts some
+// token chose are read at all: a batch-1 decode reads k of them. A token's output is the sum of its
+// experts' rows times its routing weights, in float32. Ids of experts another rank holds (expert
 // parallelism) are skipped: the caller's all-reduce adds those ranks' parts.
+//
+// Few experts (a decode step of few tokens) run one after another, each GEMM split over the thread
+// pool; many (a batch, a prefill, 128-expert models) run side by side, one expert per thread at a
+// time, claimed largest first, their GEMMs single-threaded: a loop per expert and GEMM would cost
+// a pool wake-up each.
 
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
+#include <numeric>
 #include <vector>
 
+#include "elementwise.h"
 #include "gemm_op.h"
+#include "thread_pool.h"
 
 namespace kiln {
 namespace {
@@ -32,10 +48,37 @@ std::optional<at::Tensor> expert_of(const std::optional<at::Tensor>& t, int64_t 
   return t.has_value() ? std::optional<at::Tensor>(t->select(0, e)) : std::nullopt;
 }
 
+DType dtype_of(const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return DType::Float;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kHalf: return DType::Half;
+    default: TORCH_CHECK(false, kOp, "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+}
+
+template <typename T>
+void combine_rows(const float* ys, const int64_t* slot, const float* w, int64_t k, int64_t H, int64_t begin,
+                  int64_t end, T* out) {
+  std::vector<float> acc(H);
+  for (int64_t t = begin; t < end; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t s = slot[t * k + j];
+      if (s < 0) continue;
+      const float* y = ys + s * H;
+      const float wt = w[t * k + j];
+      for (int64_t h = 0; h < H; ++h) acc[h] += wt * y[h];
+    }
+    for (int64_t h = 0; h < H; ++h) out[t * H + h] = static_cast<T>(acc[h]);
+  }
+}
+
 at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                    const at::Tensor& fc, const std::optional<at::Tensor>& fc_scale, const at::Tensor& proj,
                    const std::optional<at::Tensor>& proj_scale, int64_t expert_start, int64_t inter,
-                   int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics) {
+                   int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics,
+                   const std::optional<at::Tensor>& proj_act_scale) {
   TORCH_CHECK(x.dim() == 2, kOp, "x must be [tokens, hidden], got ", x.sizes());
   const int64_t T = x.size(0), H = x.size(1), E = fc.size(0);
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_weights.sizes() == topk_ids.sizes(), kOp,
@@ -43,40 +86,80 @@ at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Te
               topk_weights.sizes());
   TORCH_CHECK(proj.size(0) == E && fc.dim() == 4 && proj.dim() == 4, kOp,
               "fc and proj must stack the same experts' packed weights, got ", fc.sizes(), " and ", proj.sizes());
-  const int64_t k = topk_ids.size(1);
+  const DType dtype = dtype_of(x);
+  const int64_t k = topk_ids.size(1), elem = x.element_size();
   const at::Tensor ids = topk_ids.to(at::kLong).contiguous(), weights = topk_weights.to(at::kFloat).contiguous();
-  const int64_t* id = ids.const_data_ptr<int64_t>();
-  const float* w = weights.const_data_ptr<float>();
-  std::vector<std::vector<int64_t>> rows(E);
-  std::vector<std::vector<float>> scales(E);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = id[t * k + j] - expert_start;
-      if (e < 0 || e >= E) continue;
-      rows[e].push_back(t);
-      scales[e].push_back(w[t * k + j]);
-    }
-  at::Tensor out = at::zeros({T, H}, x.options().dtype(at::kFloat));
   const at::Tensor xc = x.contiguous();
-  for (int64_t e = 0; e < E; ++e) {
-    if (rows[e].empty()) continue;
-    const int64_t m = static_cast<int64_t>(rows[e].size());
-    const at::Tensor index = at::from_blob(rows[e].data(), {m}, at::kLong);
-    const at::Tensor xe = m == T ? xc : xc.index_select(0, index);
-    const at::Tensor h = gemm(xe, fc.select(0, e), expert_of(fc_scale, e), std::nullopt, 2 * inter, group_size, false,
-                              fc_tactics);
-    const at::Tensor act = at::silu(h.narrow(1, inter, inter)) * h.narrow(1, 0, inter);
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+
+  // The (token, slot) pairs of this rank's experts, sorted by expert: slot[t * k + j] is the row of
+  // pair (t, j) in the sorted order, -1 for another rank's expert.
+  std::vector<int64_t> count(E + 1, 0), slot(T * k, -1);
+  for (int64_t a = 0; a < T * k; ++a) {
+    const int64_t e = id[a] - expert_start;
+    TORCH_CHECK(id[a] >= 0, kOp, "negative expert id ", id[a]);
+    if (e >= 0 && e < E) ++count[e + 1];
+  }
+  std::partial_sum(count.begin(), count.end(), count.begin());  // count[e]: expert e's first row
+  const int64_t rows = count[E];
+  at::Tensor xs = at::empty({rows, H}, x.options());
+  {
+    std::vector<int64_t> next(count.begin(), count.end() - 1);
+    auto* dst = static_cast<char*>(xs.mutable_data_ptr());
+    const auto* src = static_cast<const char*>(xc.const_data_ptr());
+    for (int64_t a = 0; a < T * k; ++a) {
+      const int64_t e = id[a] - expert_start;
+      if (e < 0 || e >= E) continue;
+      slot[a] = next[e]++;
+      std::memcpy(dst + slot[a] * H * elem, src + (a / k) * H * elem, H * elem);
+    }
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e + 1] > count[e]) active.push_back(e);
+  std::stable_sort(active.begin(), active.end(),
+                   [&](int64_t a, int64_t b) { return count[a + 1] - count[a] > count[b + 1] - count[b]; });
+
+  at::Tensor ys = at::empty({rows, H}, x.options().dtype(at::kFloat));
+  auto run_expert = [&](int64_t e) {
+    const int64_t first = count[e], m = count[e + 1] - count[e];
+    const at::Tensor h = gemm(xs.narrow(0, first, m), fc.select(0, e), expert_of(fc_scale, e), std::nullopt,
+                              2 * inter, group_size, false, fc_tactics);
+    at::Tensor act = at::empty({m, inter}, x.options());
+    silu_and_mul({dtype, h.const_data_ptr(), act.mutable_data_ptr(), inter, 2 * inter}, 0, m);
+    if (proj_act_scale.has_value())  // onto the fp8 grid, clamped first as kiln/plugins/quant.py does
+      act = (act.to(at::kFloat) / *proj_act_scale).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn).to(x.scalar_type());
     const at::Tensor y = gemm(act, proj.select(0, e), expert_of(proj_scale, e), std::nullopt, H, group_size, true,
                               proj_tactics);
-    out.index_add_(0, index, y * at::from_blob(scales[e].data(), {m, 1}, at::kFloat));
+    std::memcpy(ys.mutable_data_ptr<float>() + first * H, y.const_data_ptr<float>(), m * H * sizeof(float));
+  };
+  const int64_t n = static_cast<int64_t>(active.size());
+  if (n >= 2 * kiln::pool::num_threads()) {
+    kiln::pool::parallel_chunks(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) run_expert(active[i]);
+    });
+  } else {
+    for (int64_t e : active) run_expert(e);
   }
-  return out.to(x.scalar_type());
+
+  at::Tensor out = at::empty({T, H}, x.options());
+  const float* w = weights.const_data_ptr<float>();
+  kiln::pool::parallel_for(0, T, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H * k)), [&](int64_t b, int64_t e) {
+    const float* y = ys.const_data_ptr<float>();
+    switch (dtype) {
+      case DType::Float: return combine_rows(y, slot.data(), w, k, H, b, e, out.mutable_data_ptr<float>());
+      case DType::BFloat16: return combine_rows(y, slot.data(), w, k, H, b, e, out.mutable_data_ptr<c10::BFloat16>());
+      default: return combine_rows(y, slot.data(), w, k, H, b, e, out.mutable_data_ptr<c10::Half>());
+    }
+  });
+  return out;
 }
 
 at::Tensor moe_meta(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                     const at::Tensor& fc, const std::optional<at::Tensor>& fc_scale, const at::Tensor& proj,
                     const std::optional<at::Tensor>& proj_scale, int64_t expert_start, int64_t inter,
-                    int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics) {
+                    int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics,
+                    const std::optional<at::Tensor>& proj_act_scale) {
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
@@ -86,7 +169,7 @@ at::Tensor moe_meta(const at::Tensor& x, const at::Tensor& topk_ids, const at::T
 TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
   m.def("moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor fc, Tensor? fc_scale, Tensor proj, "
         "Tensor? proj_scale, int expert_start, int inter, int group_size=0, int[] fc_tactics=[], "
-        "int[] proj_tactics=[]) -> Tensor",
+        "int[] proj_tactics=[], Tensor? proj_act_scale=None) -> Tensor",
         {at::Tag::pt2_compliant_tag});
 }
 

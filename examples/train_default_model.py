@@ -3,7 +3,8 @@ own source files, with a byte-level BPE tokenizer trained on the same files (or,
 Mixtral of the same shape, whose quantized formats benchmarks/quant.py scores).
 
     python examples/train_default_model.py --minutes 40 --out models/kiln-tiny-stdlib
-    python examples/train_default_model.py --minutes 15 --experts 8 --top_k 2 --intermediate 256 --out bench_out/moe-stdlib
+    python examples/train_default_model.py --minutes 15 --experts 8 --top_k 2 --intermediate 256 \
+        --out bench_out/moe-stdlib
 
 Every machine with Python has the data, and it may be redistributed (PSF License). Files are split
 deterministically: after sorting the kept files by their path relative to the stdlib folder, every

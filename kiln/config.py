@@ -188,13 +188,14 @@ class PretrainedConfig:
         if self.moe.num_experts:
             m = self.mapping
             if self.moe.num_experts % m.moe_ep_size:
-                raise ConfigError(f"moe_ep_size {m.moe_ep_size} does not divide moe.num_experts ({self.moe.num_experts})")
-            for name in ("moe_intermediate_size", "moe.shared_expert_intermediate_size"):
-                size = self.moe.shared_expert_intermediate_size if name.startswith("moe.") else self.moe_intermediate_size
-                split = m.tp_size if name.startswith("moe.") else m.moe_tp_size
+                raise ConfigError(f"moe_ep_size {m.moe_ep_size} does not divide moe.num_experts "
+                                  f"({self.moe.num_experts})")
+            shared = self.moe.shared_expert_intermediate_size
+            for flag, split, name, size in (("moe_tp_size", m.moe_tp_size, "moe_intermediate_size",
+                                             self.moe_intermediate_size),
+                                            ("tp_size", m.tp_size, "moe.shared_expert_intermediate_size", shared)):
                 if size % split:
-                    raise ConfigError(f"{'tp_size' if name.startswith('moe.') else 'moe_tp_size'} {split} does not "
-                                      f"divide {name} ({size})")
+                    raise ConfigError(f"{flag} {split} does not divide {name} ({size})")
             if self.decoder_sparse_step < 1:
                 raise ConfigError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         if self.num_hidden_layers < self.mapping.pp_size:

@@ -2,10 +2,11 @@
 transformers, and HF's greedy answers for them: the oracle of tests/test_hf_parity.py.
 
 Only the sizes are shrunk (and bos/eos ids dropped or moved into the tiny vocabulary; mixtures of
-experts keep their expert count, top-k and shared expert); every key that changes the math (rope base and scaling, norm epsilon, ties, biases, head_dim, sliding-window switches)
-is the published one. Weights are drawn per parameter name, independently of transformers'
-initialisation, so both transformers majors save the same numbers; their std (0.15, far above
-HF's init) keeps greedy paths from collapsing into repeats that would hide a wrong rotary base.
+experts keep their expert count, top-k and shared expert); every key that changes the math (rope base
+and scaling, norm epsilon, ties, biases, head_dim, sliding-window switches) is the published one.
+Weights are drawn per tensor name as saved, independently of transformers' initialisation, so both
+transformers majors save the same numbers; their std (0.15, far above HF's init) keeps greedy paths
+from collapsing into repeats that would hide a wrong rotary base.
 
 Also a script, so that another venv's transformers (the 5.x one `make test` creates) saves the
 same models and answers for them:

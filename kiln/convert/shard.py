@@ -133,7 +133,7 @@ def _vocab(cfg: PretrainedConfig, name: str, tp_rank: int, src) -> torch.Tensor:
 def _expert_fc(cfg: PretrainedConfig, i: int, tp_rank: int, src) -> torch.Tensor:
     """[experts of the rank, 2 * inter / moe_tp, hidden]: each expert's up rows, then its gate rows."""
     (a, b), _ = output_ranges(cfg, "mlp.fc", tp_rank, i)
-    return torch.stack([torch.cat([src.read(hf_moe(cfg, i, "up", e), 0, a, b), src.read(hf_moe(cfg, i, "gate", e), 0, a, b)])
+    return torch.stack([torch.cat([src.read(hf_moe(cfg, i, part, e), 0, a, b) for part in ("up", "gate")])
                         for e in expert_range(cfg, tp_rank)])
 
 

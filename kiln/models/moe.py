@@ -13,7 +13,7 @@ from torch import nn
 
 from kiln.config import ConfigError, PretrainedConfig, torch_dtype
 from kiln.convert.layout import SHARED, expert_range
-from kiln.models.linear import INT4_ALGOS, PackedLinear, make_linear, quant_algo_of, tensor_specs
+from kiln.models.linear import PackedLinear, make_linear, quant_algo_of, tensor_specs
 from kiln.plugins import gemm, quant
 
 EXPERT_ALGOS = (None, "W8A16", "W4A16", "FP8")
@@ -53,18 +53,19 @@ def _packed_experts(config: PretrainedConfig, weights: dict, name: str, n: int, 
     w = weights[name + ".weight"]
     if any(key.startswith(name + ".prequant") for key in weights):
         raise ConfigError(f"{name}: pre-quant scales on experts are not supported")
+    experts = range(w.shape[0])
     if algo is None:
-        return PackedLinear(torch.stack([gemm.pack(order(w[e].to(dtype))) for e in range(w.shape[0])]), n, k)
-    scale, experts = weights[name + ".weights_scaling_factor"], range(w.shape[0])
+        return PackedLinear(torch.stack([gemm.pack(order(w[e].to(dtype))) for e in experts]), n, k)
+    scale = weights[name + ".weights_scaling_factor"]
     if algo == "FP8":  # per-tensor activation scale shared by the experts, one weight scale each
         act = weights[name + ".activation_scaling_factor"].reshape(()).float()
         return PackedLinear(torch.stack([gemm.pack(order(w[e])) for e in experts]), n, k,
                             torch.stack([gemm.pack_scale(act * scale[e].float(), n) for e in experts]),
                             act_scale=act, act_dtype=quant.FP8)
     if algo == "W8A16":
-        return PackedLinear(torch.stack([gemm.pack(order(w[e])) for e in range(w.shape[0])]), n, k,
-                            torch.stack([gemm.pack_scale(order(scale[e]), n) for e in range(w.shape[0])]))
-    parts = [gemm.pack_int4(order(quant.unpack_int4(w[e])), order(scale[e]), g) for e in range(w.shape[0])]
+        return PackedLinear(torch.stack([gemm.pack(order(w[e])) for e in experts]), n, k,
+                            torch.stack([gemm.pack_scale(order(scale[e]), n) for e in experts]))
+    parts = [gemm.pack_int4(order(quant.unpack_int4(w[e])), order(scale[e]), g) for e in experts]
     return PackedLinear(torch.stack([p for p, _ in parts]), n, k, torch.stack([s for _, s in parts]), group_size=g)
 
 

@@ -7,6 +7,8 @@ accuracy columns come from the converter's report (quant_report.json).
 
   # the default model, calibrated on its training files and evaluated on its held-out files
   python benchmarks/quant.py --model default --group_size 64
+  # a mixture of experts trained the same way (examples/train_default_model.py --experts 8)
+  python benchmarks/quant.py --model bench_out/moe-stdlib --stdlib_data --formats none int8_wo int4_wo fp8
   # SmolLM-135M's shape with random weights (speed and size only: its accuracy means nothing)
   python benchmarks/quant.py --model smollm --formats none int8_wo int4_awq fp8
 """
@@ -34,9 +36,10 @@ def load_module(path: Path, name: str):
     return module
 
 
-def datasets(model: str, work: Path, vocab: int) -> tuple[list[Path], list[Path]]:
-    """(calibration files, evaluation files)."""
-    if model == "default":
+def datasets(model: str, work: Path, vocab: int, stdlib: bool = False) -> tuple[list[Path], list[Path]]:
+    """(calibration files, evaluation files): the default model's training and held-out files (also
+    for another model trained by examples/train_default_model.py, with stdlib), else random words."""
+    if model == "default" or stdlib:
         return load_module(ROOT / "examples" / "quantize_default_model.py", "quantize_default").default_split()
     # The random model's tokenizer knows only the words t0 .. t{vocab-1}.
     g = torch.Generator().manual_seed(0)
@@ -81,6 +84,9 @@ def int8_kernel_here() -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="default, smollm, or an HF model dir")
+    ap.add_argument("--stdlib_data", action="store_true",
+                    help="the model was trained by examples/train_default_model.py (e.g. with --experts): "
+                         "calibrate and evaluate on its training and held-out files")
     ap.add_argument("--formats", nargs="+", default=FORMATS, help="qformat[+kv_cache_dtype] runs; 'none' is bf16")
     ap.add_argument("--group_size", type=int, default=64)
     ap.add_argument("--calib_size", type=int, default=128)
@@ -125,7 +131,7 @@ def main():
     else:
         hf_dir = Path(args.model)
     vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
-    calib, evaluation = datasets(args.model, work, vocab)
+    calib, evaluation = datasets(args.model, work, vocab, args.stdlib_data)
     seq_len = args.input_len + args.output_len
     build = dict(max_batch_size=args.max_batch_size, max_input_len=max(args.input_len, args.prefill_len),
                  max_seq_len=max(seq_len, args.prefill_len + 1),

@@ -74,12 +74,6 @@ class Mapping:
     def pp_rank(self, rank: int) -> int:
         return rank // self.tp_size
 
-    def moe_tp_rank(self, rank: int) -> int:
-        return self.tp_rank(rank) % self.moe_tp_size
-
-    def moe_ep_rank(self, rank: int) -> int:
-        return self.tp_rank(rank) // self.moe_tp_size
-
 
 @dataclass
 class QuantConfig:

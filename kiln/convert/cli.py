@@ -158,7 +158,8 @@ def _quant_note(quant, output_dir: Path) -> str:
               help="Evaluation windows for the accuracy report, spread over the text; 0: all.")
 @click.pass_context
 def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | None,
-         tp_size: int, pp_size: int, moe_tp_size: int | None, moe_ep_size: int | None, qformat: str | None, awq_algorithm: str, kv_cache_dtype: str | None,
+         tp_size: int, pp_size: int, moe_tp_size: int | None, moe_ep_size: int | None, qformat: str | None,
+         awq_algorithm: str, kv_cache_dtype: str | None,
          group_size: int | None, calib_dataset: tuple[Path, ...], calib_size: int, calib_max_seq_len: int,
          eval_dataset: tuple[Path, ...], eval_size: int) -> None:
     """Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 or Mixtral/Qwen2-MoE/Qwen3-MoE model into a

@@ -41,11 +41,14 @@ def linear_shapes(cfg: PretrainedConfig, layer: int = 0) -> dict[str, tuple[int,
     return shapes
 
 
+def layer_kinds(cfg: PretrainedConfig) -> dict[str, int]:
+    """One layer of each kind the model has, by a name prefix: "" a dense one, "moe " a MoE one."""
+    return {("moe " if cfg.is_moe_layer(i) else ""): i for i in range(cfg.num_hidden_layers)}
+
+
 def all_linear_shapes(cfg: PretrainedConfig) -> dict[str, tuple[int, int]]:
     """linear_shapes of every kind of layer the model has (a dense and a MoE one, where both are)."""
-    kinds = {cfg.is_moe_layer(i): i for i in range(cfg.num_hidden_layers)}
-    return {f"{'moe ' if moe else ''}{name}": shape for moe, i in kinds.items()
-            for name, shape in linear_shapes(cfg, i).items()}
+    return {kind + name: shape for kind, i in layer_kinds(cfg).items() for name, shape in linear_shapes(cfg, i).items()}
 
 
 def expert_range(cfg: PretrainedConfig, tp_rank: int) -> range:

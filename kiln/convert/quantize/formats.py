@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.config import ConfigError, PretrainedConfig, QuantConfig
-from kiln.convert.layout import all_linear_shapes, input_split, linear_shapes, output_ranges
+from kiln.convert.layout import all_linear_shapes, input_split, layer_kinds, linear_shapes, output_ranges
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,8 @@ def linear_prefixes(cfg: PretrainedConfig) -> list[str]:
 def rank_inputs(cfg: PretrainedConfig) -> dict[str, int]:
     """The input size of every quantized linear as one tensor-parallel rank holds it: row-parallel
     linears (dense, proj) split their inputs across the ranks."""
-    kinds = {cfg.is_moe_layer(i): i for i in range(cfg.num_hidden_layers)}
-    return {f"{'moe ' if moe else ''}{name}": inp // input_split(cfg, name, i)
-            for moe, i in kinds.items() for name, (_, inp) in linear_shapes(cfg, i).items()}
+    return {kind + name: inp // input_split(cfg, name, i)
+            for kind, i in layer_kinds(cfg).items() for name, (_, inp) in linear_shapes(cfg, i).items()}
 
 
 def writes_pre_quant_scale(qformat: str, awq_algorithm: str = DEFAULT_AWQ_ALGORITHM) -> bool:
@@ -135,8 +134,7 @@ def check_options(cfg: PretrainedConfig, qformat: str | None, kv_cache_dtype: st
             raise ConfigError(f"--group_size {group_size} does not divide the input dimension {inp} that each of "
                               f"--tp_size {tp} ranks holds of {name}; choose a group size that divides "
                               f"{', '.join(map(str, sorted(set(rank_inputs(cfg).values()))))}")
-    for name, layer in [("attention.qkv", 0)] + [("mlp.fc", i) for i in {cfg.is_moe_layer(i): i
-                                                                      for i in range(cfg.num_hidden_layers)}.values()]:
+    for name, layer in [("attention.qkv", 0)] + [("mlp.fc", i) for i in layer_kinds(cfg).values()]:
         if any(b % 2 for r in range(tp) for rng in output_ranges(cfg, name, r, layer) for b in rng):
             raise ConfigError(f"--tp_size {tp} splits {name} at an odd output row; int4 weights are packed "
                               f"two output rows per byte")

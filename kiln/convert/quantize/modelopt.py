@@ -182,9 +182,9 @@ def _closer(candidate: torch.Tensor, other: torch.Tensor, reference: torch.Tenso
     return (candidate - reference).abs().mean() <= (other - reference).abs().mean()
 
 
-def _swap_halves(t: torch.Tensor, dim: int) -> torch.Tensor:
-    a, b = t.view(torch.uint8).chunk(2, dim=dim)  # on the bits: cat of fp8 tensors is not everywhere
-    return torch.cat([b, a], dim=dim).view(t.dtype)
+def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = t.view(torch.uint8).chunk(2)  # on the bits: fp8 ops are not everywhere
+    return a.view(t.dtype), b.view(t.dtype)
 
 
 def adopt_moe(tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor], num_layers: int) -> None:
@@ -200,13 +200,12 @@ def adopt_moe(tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor], n
         if p + "mlp.router.weight" not in base or p + "mlp.fc.weight" not in tensors:
             continue
         fc, ref = tensors[p + "mlp.fc.weight"], base[p + "mlp.fc.weight"].float()
-        swapped = _swap_halves(fc, 1)
+        swapped = fc.view(torch.uint8).roll(fc.shape[1] // 2, dims=1).view(fc.dtype)  # halves swapped, on the bits
         if not _closer(deq(p + "mlp.fc", fc), deq(p + "mlp.fc", swapped), ref):
             tensors[p + "mlp.fc.weight"] = swapped
         fused, gate = p + "mlp.shared_expert.fc", p + "mlp.shared_expert.gate"
         if fused + ".weight" in tensors and tensors[fused + ".weight"].shape[0] == 2 * base[fused + ".weight"].shape[0]:
-            first, second = tensors[fused + ".weight"].view(torch.uint8).chunk(2)
-            first, second = first.view(tensors[fused + ".weight"].dtype), second.view(tensors[fused + ".weight"].dtype)
+            first, second = _halves(tensors[fused + ".weight"])
             if not _closer(deq(fused, first), deq(fused, second), base[fused + ".weight"].float()):
                 first, second = second, first
             tensors[fused + ".weight"], tensors[gate + ".weight"] = first.contiguous(), second.contiguous()

@@ -49,11 +49,13 @@ def hf_linears(layer, moe: bool = False) -> dict[str, list[torch.nn.Module]]:
     """A HF decoder layer's linears by checkpoint name (qkv: the q, k and v projections, in order);
     a MoE layer's shared expert instead of the dense MLP (its experts: _load_experts)."""
     attn = layer.self_attn
-    shared = moe and hasattr(_moe_block(layer), "shared_expert")
-    mlp = SHARED_LINEARS if shared else {}
-    return {"attention.qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "attention.dense": [attn.o_proj],
-            **{name: [layer.get_submodule(hf)] for name, hf in (mlp if moe else HF_LINEARS).items()
-               if name != "attention.dense"}}
+    if moe:
+        others = SHARED_LINEARS if hasattr(_moe_block(layer), "shared_expert") else {}
+        others = {"attention.dense": "self_attn.o_proj", **others}
+    else:
+        others = HF_LINEARS
+    return {"attention.qkv": [attn.q_proj, attn.k_proj, attn.v_proj],
+            **{name: [layer.get_submodule(hf)] for name, hf in others.items()}}
 
 
 def is_moe_layer(layer) -> bool:

@@ -18,7 +18,11 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+    "SmolLM3ForCausalLM",
 )
+QK_LAYERNORM_SCOPES = ("head", "projection")
 # rotary_scaling.type -> the keys the rotary embedding cannot do without (kiln/models/rope.py).
 ROPE_SCALING_TYPES = {"linear": ("factor",), "dynamic": ("factor",),
                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -139,6 +143,21 @@ class PretrainedConfig:
     moe_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # Where each block's RMSNorm sits. pre_norm: input_layernorm before attention and post_layernorm
+    # before the MLP (Llama). post_norm: post_attention_layernorm on the attention's output and
+    # post_feedforward_layernorm on the MLP's, before each residual add (OLMo 2).
+    pre_norm: bool = True
+    post_norm: bool = False
+    # q/k RMSNorm over each head (Qwen3) or over the whole projection, every head at once (OLMo 2).
+    qk_layernorm_scope: str = "head"
+    # Layers that attend without rotary embedding (SmolLM3's NoPE layers).
+    nope_layers: list[int] = field(default_factory=list)
+    # Granite's scalars: the embedding's output, each block's output before its residual add and the
+    # attention scores (None: head_size ** -0.5) are multiplied, the logits divided.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -154,6 +173,12 @@ class PretrainedConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if not (self.pre_norm or self.post_norm):
+            raise ConfigError("pre_norm and post_norm are both false; expected at least one (where the blocks' "
+                              "RMSNorms sit)")
+        if self.qk_layernorm_scope not in QK_LAYERNORM_SCOPES:
+            raise ConfigError(f"qk_layernorm_scope {self.qk_layernorm_scope!r} is not supported; expected one of "
+                              f"{', '.join(QK_LAYERNORM_SCOPES)}")
         if self.rotary_scaling is not None:
             kind = self.rotary_scaling.get("type")
             if kind not in ROPE_SCALING_TYPES:

@@ -24,6 +24,9 @@ from safetensors.torch import load_file, save_file
 NEW_TOKENS = 24
 PROMPT_LENGTHS = (3, 8, 13, 21, 34)
 STD = 0.15
+# Granite multiplies the embedding by 12 and each block's output by 0.22: at 0.15 the stream is nearly
+# the embedding alone and every prompt repeats one token.
+STD_OF = {"granite3.1": 1.0}
 
 _LLAMA_3_2_1B = {  # meta-llama/Llama-3.2-1B
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
@@ -96,12 +99,40 @@ _QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B (128 experts, top 8, renormalized, q/k 
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
     "use_sliding_window": False, "vocab_size": 151936}
 
+_GRANITE_3_1_2B = {  # ibm-granite/granite-3.1-2b-instruct
+    "architectures": ["GraniteForCausalLM"], "attention_bias": False, "attention_dropout": 0.1,
+    "attention_multiplier": 0.015625, "bos_token_id": 0, "embedding_multiplier": 12.0, "eos_token_id": 0,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "logits_scaling": 8.0, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "granite",
+    "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8, "pad_token_id": 0,
+    "residual_multiplier": 0.22, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 5000000.0,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.47.0", "use_cache": True,
+    "vocab_size": 49155}
+_OLMO_2_1B = {  # allenai/OLMo-2-0425-1B
+    "architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "eos_token_id": 100257,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 4096, "model_type": "olmo2", "num_attention_heads": 16, "num_hidden_layers": 16,
+    "num_key_value_heads": 16, "pad_token_id": 100277, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 500000, "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.48.3",
+    "use_cache": True, "vocab_size": 100352}
+_SMOLLM3_3B = {  # HuggingFaceTB/SmolLM3-3B (every fourth layer without rotary embedding)
+    "architectures": ["SmolLM3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": None,
+    "eos_token_id": 128012, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 11008, "layer_types": ["full_attention"] * 36, "max_position_embeddings": 65536,
+    "max_window_layers": 28, "mlp_bias": False, "model_type": "smollm3", "no_rope_layer_interval": 4,
+    "no_rope_layers": [1, 1, 1, 0] * 9, "num_attention_heads": 16, "num_hidden_layers": 36,
+    "num_key_value_heads": 4, "pad_token_id": 128004, "pretraining_tp": 2, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 5000000.0, "sliding_window": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "transformers_version": "4.54.0.dev0", "use_cache": False,
+    "use_sliding_window": False, "vocab_size": 128256}
+
 PUBLISHED = {"llama3.2": _LLAMA_3_2_1B, "qwen2.5": _QWEN2_5_0_5B, "qwen3": _QWEN3_0_6B,
              "mistral": _MISTRAL_7B_V0_3, "qwen2.5-yarn": _QWEN2_5_7B_INSTRUCT_YARN, "mixtral": _MIXTRAL_8X7B,
-             "qwen1.5-moe": _QWEN1_5_MOE_A2_7B, "qwen3-moe": _QWEN3_30B_A3B}
+             "qwen1.5-moe": _QWEN1_5_MOE_A2_7B, "qwen3-moe": _QWEN3_30B_A3B, "granite3.1": _GRANITE_3_1_2B,
+             "olmo2": _OLMO_2_1B, "smollm3": _SMOLLM3_3B}
 # No eos: greedy runs its NEW_TOKENS on both sides without an end-of-sequence rule to agree on.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=None)
+            num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=None, pad_token_id=0)
 
 
 def tiny_config(name: str) -> dict:
@@ -111,6 +142,11 @@ def tiny_config(name: str) -> dict:
         cfg["moe_intermediate_size"] = 32
     if "shared_expert_intermediate_size" in published:
         cfg["shared_expert_intermediate_size"] = 96
+    if "no_rope_layers" in published:  # one NoPE layer after three rotary ones, as published
+        cfg["num_hidden_layers"] = 4
+    for key in ("no_rope_layers", "layer_types"):  # per-layer lists: the first layers'
+        if key in published:
+            cfg[key] = published[key][:cfg["num_hidden_layers"]]
     if "head_dim" in published:  # keep head_dim != hidden / heads where the published one is
         decoupled = published["head_dim"] != published["hidden_size"] // published["num_attention_heads"]
         cfg["head_dim"] = 32 if decoupled else TINY["hidden_size"] // TINY["num_attention_heads"]
@@ -133,8 +169,9 @@ def save(name: str, path: Path) -> Path:
     # Values drawn per tensor name as saved, which both majors share (transformers 5's modules hold a
     # mixture's experts stacked, and save them per expert as 4.x does); tied tensors are saved once.
     weights = load_file(path / "model.safetensors")
+    std = STD_OF.get(name, STD)
     for name, t in weights.items():
-        values = torch.randn(t.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * STD
+        values = torch.randn(t.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * std
         weights[name] = values + 1 if name.endswith("norm.weight") else values
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path

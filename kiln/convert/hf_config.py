@@ -56,7 +56,8 @@ from kiln.config import DTYPES, SUPPORTED_ARCHITECTURES, ConfigError, Mapping, M
 
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+            "smollm3": "SmolLM3ForCausalLM"}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 ARCH_FAMILY = {arch: family for family, arch in FAMILIES.items()}
 
@@ -81,6 +82,14 @@ DEFAULTS = {
     "qwen3_moe": dict(_COMMON, num_key_value_heads=4, max_position_embeddings=32768, sliding_window=4096,
                       use_sliding_window=False, attention_bias=False, num_experts=128, num_experts_per_tok=8,
                       norm_topk_prob=False, moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[]),
+    "granite": dict(_COMMON, num_key_value_heads=None, max_position_embeddings=2048, attention_bias=False,
+                    mlp_bias=False, embedding_multiplier=1.0, logits_scaling=1.0, residual_multiplier=1.0,
+                    attention_multiplier=1.0),
+    "olmo2": dict(_COMMON, rms_norm_eps=1e-5, num_key_value_heads=None, max_position_embeddings=2048,
+                  attention_bias=False),
+    "smollm3": dict(_COMMON, rope_theta=2000000.0, tie_word_embeddings=True, num_key_value_heads=4,
+                    max_position_embeddings=32768, attention_bias=False, mlp_bias=False, use_sliding_window=False,
+                    sliding_window=None, no_rope_layers=None, no_rope_layer_interval=4),
 }
 # The experts' count: the name transformers 4 reads first; transformers 5's attribute_map also takes
 # the second for Mixtral and Qwen3-MoE (num_experts -> num_local_experts).
@@ -88,7 +97,8 @@ EXPERTS_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "qwen2_moe": ("
                 "qwen3_moe": ("num_experts", "num_local_experts")}
 
 _NOT_NULL = ("hidden_act", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "max_position_embeddings",
-             "max_window_layers", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "max_window_layers", "embedding_multiplier", "logits_scaling", "residual_multiplier",
+             "attention_multiplier", "no_rope_layer_interval", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
              "shared_expert_intermediate_size", "decoder_sparse_step")
 # HF builds q_proj from getattr(config, "head_dim", <derived>): an explicit null has no fallback.
 _HEAD_DIM_NOT_NULL = ("qwen3", "qwen2_moe", "qwen3_moe")
@@ -112,6 +122,11 @@ MAPPED = {
     "qwen3_moe": _MAPPED_ALL | {"attention_bias", "sliding_window", "use_sliding_window", "num_experts",
                                 "num_local_experts", "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size",
                                 "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"},
+    "granite": _MAPPED_ALL | {"attention_bias", "mlp_bias", "embedding_multiplier", "logits_scaling",
+                              "residual_multiplier", "attention_multiplier"},
+    "olmo2": _MAPPED_ALL | {"attention_bias"},
+    "smollm3": _MAPPED_ALL | {"attention_bias", "mlp_bias", "use_sliding_window", "sliding_window", "layer_types",
+                              "no_rope_layers", "no_rope_layer_interval"},
 }
 # Other families' math: refused unless absent or at the value that means "off".
 FOREIGN = {"attn_logit_softcapping": None, "final_logit_softcapping": None, "logits_scaling": 1.0,
@@ -148,7 +163,10 @@ IGNORED_BY_FAMILY = {"llama": set(), "mistral": set(), "qwen2": {"attention_bias
                      "mixtral": _ROUTER_TRAINING | {"router_jitter_noise"},  # noise only when training
                      "qwen2_moe": set(_ROUTER_TRAINING),
                      # Qwen3-MoE's config.json files carry max_window_layers; HF's Qwen3Moe does not read it
-                     "qwen3_moe": _ROUTER_TRAINING | {"max_window_layers"}}
+                     "qwen3_moe": _ROUTER_TRAINING | {"max_window_layers"},
+                     "granite": set(), "olmo2": set(),
+                     # SmolLM3-3B's config.json carries max_window_layers; HF's SmolLM3 does not read it
+                     "smollm3": {"max_window_layers"}}
 
 ROPE_TYPES = {  # rope type -> the keys it reads besides rope_type/type/rope_theta/partial_rotary_factor
     "default": set(),
@@ -219,7 +237,7 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
                               f"{arch} is {defaults[key]!r})")
 
     for key, neutral in {**FOREIGN, **FOREIGN_BY_FAMILY.get(family, {})}.items():
-        if hf.get(key, neutral) not in (None, neutral):
+        if key not in MAPPED[family] and hf.get(key, neutral) not in (None, neutral):
             raise ConfigError(f"{key}={hf[key]!r} is not supported for {arch} (HF's {arch} does not "
                               f"implement it; expected it absent or {neutral!r})")
     for key in ("attention_bias", "mlp_bias"):
@@ -241,6 +259,11 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
     theta, scaling = _rope(hf, max_pos, get("rope_theta"))
     _check_sliding_window(hf, family, get, max_pos)
     moe = _moe(hf, family, arch, get) if family in MOE_FAMILIES else {}
+    extra = dict(_granite(get) if family == "granite" else {},
+                 nope_layers=[i for i, r in enumerate(_smollm3_rope_layers(hf, get)) if not r] if family == "smollm3"
+                 else [])
+    if family == "olmo2":  # norms on the blocks' outputs, and q/k norms over the whole projections
+        extra.update(pre_norm=False, post_norm=True, qk_layernorm_scope="projection")
     return PretrainedConfig(
         architecture=arch,
         dtype=dtype or _default_dtype(hf),
@@ -258,13 +281,41 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         rotary_scaling=scaling,
         # Qwen2 always has q/k/v biases, Qwen2-MoE when qkv_bias says so (and neither on o_proj)
         attn_bias=family == "qwen2" or (family == "qwen2_moe" and bool(get("qkv_bias"))),
-        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        qk_layernorm=family in ("qwen3", "qwen3_moe", "olmo2"),
         tie_word_embeddings=bool(get("tie_word_embeddings")),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
         mapping=mapping,
         **moe,
+        **extra,
     )
+
+
+def _granite(get) -> dict:
+    """Granite's four scalars (HF's defaults are 1.0 for all, the attention multiplier included: it
+    replaces head_dim ** -0.5 as the scores' scale)."""
+    values = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        value = get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                key == "logits_scaling" and value == 0):
+            raise ConfigError(f"{key} {value!r} is not supported; expected a finite number"
+                              f"{' other than 0 (the logits are divided by it)' if key == 'logits_scaling' else ''}")
+        values[key] = float(value)
+    return values
+
+
+def _smollm3_rope_layers(hf: dict, get) -> list[int]:
+    """SmolLM3's no_rope_layers: per layer, 1 where it uses rotary embedding and 0 where not (NoPE);
+    absent, every no_rope_layer_interval-th layer is NoPE, as HF derives it."""
+    n, layers = hf["num_hidden_layers"], get("no_rope_layers")
+    if layers is None:
+        interval = _integer("no_rope_layer_interval", get("no_rope_layer_interval"), 1)
+        return [int((i + 1) % interval != 0) for i in range(n)]
+    if not isinstance(layers, list) or len(layers) != n or any(v not in (0, 1) or isinstance(v, float) for v in layers):
+        raise ConfigError(f"no_rope_layers {layers!r} is not supported; expected {n} entries of 1 (rotary "
+                          f"embedding) or 0 (none)")
+    return [int(v) for v in layers]
 
 
 def _moe(hf: dict, family: str, arch: str, get) -> dict:
@@ -431,7 +482,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _check_sliding_window(hf: dict, family: str, get, max_pos: int) -> None:
     """Refuse a sliding window that any layer would feel; HF's Llama has none."""
-    if family == "llama":
+    if family in ("llama", "granite", "olmo2"):
         return
     window = get("sliding_window")
     n = hf["num_hidden_layers"]
@@ -444,6 +495,12 @@ def _check_sliding_window(hf: dict, family: str, get, max_pos: int) -> None:
         # every layer (its flash path on those from max_window_layers on): refuse any window at all.
         _check_qwen2_moe_layer_types(hf, get, n)
         sliding = list(range(n)) if get("use_sliding_window") and window is not None else []
+    elif family == "smollm3":  # only with use_sliding_window, on the layers layer_types marks (NoPE ones if absent)
+        on = bool(get("use_sliding_window")) and window is not None
+        types = hf.get("layer_types") or ["sliding_attention" if on and not r else "full_attention"
+                                          for r in _smollm3_rope_layers(hf, get)]
+        _check_layer_types(types, n)
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"] if on else []
     else:  # Qwen2/Qwen3: only with use_sliding_window, on the layers layer_types marks
         if not get("use_sliding_window"):
             window = None

@@ -74,8 +74,7 @@ def source_shapes(cfg: PretrainedConfig) -> dict[str, tuple[int, ...]]:
         shapes[HF_LM_HEAD] = (cfg.vocab_size, h)
     for i in range(cfg.num_hidden_layers):
         layer = {
-            "input_layernorm.weight": (h,),
-            "post_attention_layernorm.weight": (h,),
+            **{hf + ".weight": (h,) for _, hf in norms(cfg)},
             "self_attn.q_proj.weight": (q_out, h),
             "self_attn.k_proj.weight": (kv_out, h),
             "self_attn.v_proj.weight": (kv_out, h),
@@ -90,13 +89,27 @@ def source_shapes(cfg: PretrainedConfig) -> dict[str, tuple[int, ...]]:
             layer.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
                           "self_attn.v_proj.bias": (kv_out,)})
         if cfg.qk_layernorm:
-            layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+            whole = cfg.qk_layernorm_scope == "projection"
+            layer.update({"self_attn.q_norm.weight": (q_out if whole else hd,),
+                          "self_attn.k_norm.weight": (kv_out if whole else hd,)})
         shapes.update({hf_layer(i, k): v for k, v in layer.items()})
     return shapes
 
 
 # ---------------------------------------------------------------------------------------------
 # builders: each reads just the slice one rank needs
+
+
+def norms(cfg: PretrainedConfig) -> list[tuple[str, str]]:
+    """(Kiln name, HF name) of a layer's block norms. HF's post_attention_layernorm is the norm before
+    the MLP in a pre-norm model (Kiln's post_layernorm, as TensorRT-LLM's) but the attention output's
+    norm where the blocks' outputs are normed (OLMo 2; Gemma 2, which has both, calls the one before
+    the MLP pre_feedforward_layernorm)."""
+    if not cfg.post_norm:
+        return [("input_layernorm", "input_layernorm"), ("post_layernorm", "post_attention_layernorm")]
+    pre = [("input_layernorm", "input_layernorm"), ("post_layernorm", "pre_feedforward_layernorm")]
+    return (pre if cfg.pre_norm else []) + [("post_attention_layernorm", "post_attention_layernorm"),
+                                            ("post_feedforward_layernorm", "post_feedforward_layernorm")]
 
 
 def _whole(name: str, src) -> torch.Tensor:
@@ -116,6 +129,22 @@ def _qkv(cfg: PretrainedConfig, i: int, tp_rank: int, kind: str, src) -> torch.T
     k = src.read(hf_layer(i, f"self_attn.k_proj.{kind}"), 0, kv.start * hd, kv.stop * hd)
     v = src.read(hf_layer(i, f"self_attn.v_proj.{kind}"), 0, kv.start * hd, kv.stop * hd)
     return torch.cat([q, k, v], dim=0)
+
+
+def _qk_norm(cfg: PretrainedConfig, i: int, tp_rank: int, x: str, src) -> torch.Tensor:
+    """q_norm / k_norm: one head's weight (every rank the same), or the rank's heads' share of a norm
+    over the whole projection (OLMo 2)."""
+    name = hf_layer(i, f"self_attn.{x}_norm.weight")
+    if cfg.qk_layernorm_scope == "head":
+        return src.read(name)
+    return src.read(name, 0, *_projection_rows(cfg, x, tp_rank))
+
+
+def _projection_rows(cfg: PretrainedConfig, x: str, tp_rank: int) -> tuple[int, int]:
+    """The rows of the q ("q") or k ("k") projection that a tp rank holds."""
+    heads = range(tp_rank * cfg.heads_per_rank, (tp_rank + 1) * cfg.heads_per_rank) if x == "q" \
+        else kv_head_range(cfg, tp_rank)
+    return heads.start * cfg.head_size, heads.stop * cfg.head_size
 
 
 def _vocab(cfg: PretrainedConfig, name: str, tp_rank: int, src) -> torch.Tensor:
@@ -175,25 +204,15 @@ def rank_plan(cfg: PretrainedConfig, rank: int) -> list[tuple[str, Builder]]:
         plan.append(("transformer.vocab_embedding.weight", partial(_vocab, cfg, HF_EMBED, tp_rank)))
 
     for i in cfg.layers_of(pp_rank):
-        plan += [
-            (trt_layer(i, "input_layernorm.weight"), partial(_whole, hf_layer(i, "input_layernorm.weight"))),
-            (trt_layer(i, "attention.qkv.weight"), partial(_qkv, cfg, i, tp_rank, "weight")),
-        ]
+        plan += [(trt_layer(i, kiln + ".weight"), partial(_whole, hf_layer(i, hf + ".weight"))) for kiln, hf in norms(cfg)]
+        plan.append((trt_layer(i, "attention.qkv.weight"), partial(_qkv, cfg, i, tp_rank, "weight")))
         if cfg.attn_bias:
             plan.append((trt_layer(i, "attention.qkv.bias"), partial(_qkv, cfg, i, tp_rank, "bias")))
         if cfg.qk_layernorm:
-            plan += [
-                (trt_layer(i, "attention.q_layernorm.weight"),
-                 partial(_whole, hf_layer(i, "self_attn.q_norm.weight"))),
-                (trt_layer(i, "attention.k_layernorm.weight"),
-                 partial(_whole, hf_layer(i, "self_attn.k_norm.weight"))),
-            ]
-        plan += [
-            (trt_layer(i, "attention.dense.weight"),
-             partial(_split, hf_layer(i, "self_attn.o_proj.weight"), 1, q_out, tp, tp_rank)),
-            (trt_layer(i, "post_layernorm.weight"),
-             partial(_whole, hf_layer(i, "post_attention_layernorm.weight"))),
-        ]
+            plan += [(trt_layer(i, f"attention.{x}_layernorm.weight"), partial(_qk_norm, cfg, i, tp_rank, x))
+                     for x in "qk"]
+        plan.append((trt_layer(i, "attention.dense.weight"),
+                     partial(_split, hf_layer(i, "self_attn.o_proj.weight"), 1, q_out, tp, tp_rank)))
         if cfg.is_moe_layer(i):
             plan += _moe_plan(cfg, i, tp_rank)
             continue
@@ -241,6 +260,9 @@ def shard_tensor(cfg: PretrainedConfig, name: str, t: torch.Tensor, tp_rank: int
         return torch.cat([rows, rows.new_zeros((part - rows.shape[0], *t.shape[1:]))]) if rows.shape[0] < part else rows
     index, _, rest = name.partition(".layers.")[2].partition(".")
     linear, _, suffix = rest.rpartition(".")
+    if linear in ("attention.q_layernorm", "attention.k_layernorm") and cfg.qk_layernorm_scope == "projection":
+        a, b = _projection_rows(cfg, linear[len("attention.")], tp_rank)
+        return t[a:b]
     if t.numel() == 1 or linear not in COLUMN_PARALLEL + ROW_PARALLEL:
         return t  # norms, routers, KV cache scales, per-tensor weight/activation scales
     layer = int(index)

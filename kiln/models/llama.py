@@ -59,12 +59,16 @@ class LlamaLayer(nn.Module):
         def linear(*names, bias=None):
             return make_linear(config, weights, [prefix + n for n in names], bias, packed)
 
-        self.input_layernorm = param("input_layernorm.weight")
+        # Norms a model does not have are None (config.pre_norm / post_norm).
+        self.input_layernorm = param("input_layernorm.weight", optional=not config.pre_norm)
+        self.post_layernorm = param("post_layernorm.weight", optional=not config.pre_norm)
+        self.post_attention_layernorm = param("post_attention_layernorm.weight", optional=not config.post_norm)
+        self.post_feedforward_layernorm = param("post_feedforward_layernorm.weight", optional=not config.post_norm)
         self.qkv = linear("attention.qkv", bias=param("attention.qkv.bias", optional=True))
         self.q_layernorm = param("attention.q_layernorm.weight", optional=not config.qk_layernorm)
         self.k_layernorm = param("attention.k_layernorm.weight", optional=not config.qk_layernorm)
         self.dense = linear("attention.dense")
-        self.post_layernorm = param("post_layernorm.weight")
+        self.rotary = index not in config.nope_layers
         self.moe = self.gate_up = self.proj = None
         if config.is_moe_layer(index):
             self.moe = MoeMLP(config, weights, prefix, rank, packed)
@@ -101,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = config.kv_heads_per_rank
         self.head_size = config.head_size
         self.eps = config.norm_epsilon
-        self.scale = config.head_size ** -0.5
+        self.scale = config.attention_multiplier or config.head_size ** -0.5
         self.vocab_embedding = self.lm_head = self.ln_f = None
         if self.is_first:
             self.vocab_embedding = nn.Parameter(weights["transformer.vocab_embedding.weight"], requires_grad=False)
@@ -149,27 +153,30 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope.cos_sin(self.config, self.inv_freq, positions, rope_lens)
 
         hidden = self._embed(input_ids) if self.is_first else hidden_states
+        if self.is_first and self.config.embedding_multiplier != 1:
+            hidden = hidden * self.config.embedding_multiplier
         residual = None
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual, x = hidden, o.rms_norm(hidden, layer.input_layernorm, self.eps)
-            else:
-                x, residual = o.fused_add_rms_norm(hidden, residual, layer.input_layernorm, self.eps)
+            x, residual = self._block_input(hidden, residual, layer.input_layernorm)
             kv_scale = None if self.kv_scales is None else self.kv_scales[i]
             qkv = layer.qkv(x)
             q, k, v = qkv.split([H * D, KH * D, KH * D], dim=-1)
+            if layer.q_layernorm is not None and self.config.qk_layernorm_scope == "projection":
+                q = self._projection_norm(q, layer.q_layernorm, self.config.num_attention_heads)
+                k = self._projection_norm(k, layer.k_layernorm, self.config.num_key_value_heads)
             q, k, v = q.view(T, H, D), k.view(T, KH, D), v.view(T, KH, D)
-            if layer.q_layernorm is not None:
+            if layer.q_layernorm is not None and self.config.qk_layernorm_scope == "head":
                 q = o.rms_norm(q, layer.q_layernorm, self.eps)
                 k = o.rms_norm(k, layer.k_layernorm, self.eps)
-            q, k = o.rotary_embedding(q, k, cos, sin)
+            if layer.rotary:
+                q, k = o.rotary_embedding(q, k, cos, sin)
             o.kv_cache_write(kv_cache, i, k, v, slot_mapping, kv_scale)
             attn = o.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
                                        gen_token_index, gen_block_tables, gen_context_lens, self.scale,
                                        *(() if kv_scale is None else (kv_scale,)))
-            hidden = self.tp.all_reduce(layer.dense(attn.reshape(T, H * D)))
-            x, residual = o.fused_add_rms_norm(hidden, residual, layer.post_layernorm, self.eps)
-            hidden = self.tp.all_reduce(layer.mlp(x, o.silu_and_mul))
+            hidden = self._block_output(layer.dense(attn.reshape(T, H * D)), layer.post_attention_layernorm)
+            x, residual = self._block_input(hidden, residual, layer.post_layernorm)
+            hidden = self._block_output(layer.mlp(x, o.silu_and_mul), layer.post_feedforward_layernorm)
 
         if not self.is_last:  # the next stage starts from the residual stream, as a layer would
             return hidden + residual
@@ -180,7 +187,37 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(hidden)
         else:
             logits = F.linear(hidden, self.lm_head).float()
+        if self.config.logits_scaling != 1:
+            logits = logits / self.config.logits_scaling
         return self.tp.gather_logits(logits)[:, : self.config.vocab_size]
+
+    def _block_input(self, hidden, residual, norm):
+        """The residual stream with the last block's output added, and what the next block reads:
+        the stream normed (pre-norm models) or the stream itself."""
+        if norm is None:
+            residual = hidden if residual is None else hidden + residual
+            return residual, residual
+        if residual is None:
+            return self.ops.rms_norm(hidden, norm, self.eps), hidden
+        return self.ops.fused_add_rms_norm(hidden, residual, norm, self.eps)
+
+    def _block_output(self, out, norm):
+        """A block's row-parallel output summed over the ranks, normed where the model post-norms it,
+        scaled where it has a residual multiplier."""
+        out = self.tp.all_reduce(out)
+        if norm is not None:
+            out = self.ops.rms_norm(out, norm, self.eps)
+        return out if self.config.residual_multiplier == 1 else out * self.config.residual_multiplier
+
+    def _projection_norm(self, x, weight, heads: int):
+        """RMSNorm over a whole q or k projection of `heads` heads (OLMo 2), of which this rank holds
+        its share: the sum of squares is summed over the ranks, a KV head that several ranks hold
+        (tp > KV heads) counted once."""
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        if self.tp.size > 1:
+            squares = self.tp.all_reduce(squares) / max(1, self.tp.size // heads)
+        return (weight * (xf * torch.rsqrt(squares / (heads * self.head_size) + self.eps))).to(x.dtype)
 
 
 def _rope_lens(positions, ctx_token_index, ctx_context_lens):
@@ -211,8 +248,9 @@ def checkpoint_tensors(config: PretrainedConfig, rank: int) -> dict[str, tuple[t
         specs["transformer.vocab_embedding.weight"] = ((config.vocab_size_padded // m.tp_size, hidden), model)
     for i in config.layers_of(pp_rank):
         p = f"transformer.layers.{i}."
-        specs[p + "input_layernorm.weight"] = ((hidden,), model)
-        specs[p + "post_layernorm.weight"] = ((hidden,), model)
+        norms = (("input_layernorm", "post_layernorm") if config.pre_norm else ()) + (
+            ("post_attention_layernorm", "post_feedforward_layernorm") if config.post_norm else ())
+        specs.update({p + n + ".weight": ((hidden,), model) for n in norms})
         linears = [("attention.qkv", qkv_out, hidden), ("attention.dense", hidden, config.heads_per_rank * D)]
         if config.is_moe_layer(i):
             specs.update(moe_tensor_specs(config, p, rank))
@@ -223,8 +261,9 @@ def checkpoint_tensors(config: PretrainedConfig, rank: int) -> dict[str, tuple[t
         if config.attn_bias:
             specs[p + "attention.qkv.bias"] = ((qkv_out,), model)
         if config.qk_layernorm:
-            specs[p + "attention.q_layernorm.weight"] = ((D,), model)
-            specs[p + "attention.k_layernorm.weight"] = ((D,), model)
+            whole = config.qk_layernorm_scope == "projection"  # the rank's heads' share of the weight
+            specs[p + "attention.q_layernorm.weight"] = ((config.heads_per_rank * D if whole else D,), model)
+            specs[p + "attention.k_layernorm.weight"] = ((config.kv_heads_per_rank * D if whole else D,), model)
         if config.quantization.kv_cache_quant_algo:
             specs[p + "attention.kv_cache_scaling_factor"] = ((1,), "scale")
     if pp_rank == m.pp_size - 1:

@@ -18,7 +18,8 @@ from kiln.convert.hf_config import (FAMILIES, IGNORED, IGNORED_BY_FAMILY, MAPPED
 from kiln.models import rope
 
 CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-           "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}
+           "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
+           "granite": "GraniteConfig", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config"}
 # 32 heads: HF's default num_key_value_heads (32 for Qwen, 8 for Mistral) must divide them.
 SIZES = dict(vocab_size=128, hidden_size=1024, num_hidden_layers=2, num_attention_heads=32, intermediate_size=512)
 MAJOR = int(transformers.__version__.split(".")[0])
@@ -81,7 +82,14 @@ def test_absent_keys_take_hfs_defaults(family):
         hf.num_key_value_heads, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         hf.rms_norm_eps, theta, None, hf.tie_word_embeddings, hf.max_position_embeddings, hf.hidden_act)
     assert ours.attn_bias == (family == "qwen2" or bool(getattr(hf, "qkv_bias", False)))
-    assert ours.qk_layernorm == (family in ("qwen3", "qwen3_moe"))
+    assert ours.qk_layernorm == (family in ("qwen3", "qwen3_moe", "olmo2"))
+    assert (ours.pre_norm, ours.post_norm, ours.qk_layernorm_scope) == (
+        (False, True, "projection") if family == "olmo2" else (True, False, "head"))
+    granite = (hf.embedding_multiplier, hf.residual_multiplier, hf.attention_multiplier, hf.logits_scaling) \
+        if family == "granite" else (1.0, 1.0, None, 1.0)  # Granite's default attention multiplier is 1, not 1/sqrt(d)
+    assert (ours.embedding_multiplier, ours.residual_multiplier, ours.attention_multiplier,
+            ours.logits_scaling) == granite
+    assert ours.nope_layers == ([i for i, r in enumerate(hf.no_rope_layers) if not r] if family == "smollm3" else [])
     if family == "mixtral":  # always renormalized; experts as wide as intermediate_size
         want = (MoeConfig(hf.num_local_experts, hf.num_experts_per_tok, 1, 0), hf.intermediate_size, 1, [])
     elif family in ("qwen2_moe", "qwen3_moe"):
@@ -286,6 +294,17 @@ REFUSED = [
      "layer_types marks layer(s) 1 'sliding_attention' but use_sliding_window is false"),
     ("qwen2_moe", _set(layer_types=["full_attention"]), "layer_types ['full_attention'] is not supported; expected 2 "
      "entries"),
+    ("granite", _set(logits_scaling=0), "logits_scaling 0 is not supported; expected a finite number other than 0"),
+    ("granite", _set(attention_multiplier="0.1"), "attention_multiplier '0.1' is not supported; expected a finite "
+     "number"),
+    ("granite", _set(attention_bias=True), "attention_bias=True is not supported for GraniteForCausalLM"),
+    ("olmo2", _set(attention_bias=True), "attention_bias=True is not supported for Olmo2ForCausalLM"),
+    ("smollm3", _set(mlp_bias=True), "mlp_bias=True is not supported for SmolLM3ForCausalLM"),
+    ("smollm3", _set(no_rope_layers=[1, 2]), "no_rope_layers [1, 2] is not supported; expected 2 entries of 1"),
+    ("smollm3", _set(no_rope_layers=[1]), "no_rope_layers [1] is not supported"),
+    ("smollm3", _set(use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]),
+     "sliding_window 64 is smaller than max_position_embeddings 32768 (on layer(s) 1)"),
+    ("olmo2", _set(logits_scaling=8.0), "logits_scaling=8.0 is not supported for Olmo2ForCausalLM"),
     *[("llama", _set(**{key: value}), f"{key}={value!r} is not supported for LlamaForCausalLM")
       for key, value in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("logits_scaling", 8.0),
                          ("embedding_multiplier", 12.0), ("residual_multiplier", 0.22),

@@ -64,6 +64,12 @@ VARIANTS = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
         mlp_only_layers=[1], norm_topk_prob=False, use_sliding_window=False, tie_word_embeddings=False)),
+    # Granite's scalars: the embedding and each block's output scaled, the attention scale and logits divided
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+        logits_scaling=8.0)),
+    # norms on the blocks' outputs, q/k norms over the whole projections
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
 }
 
 

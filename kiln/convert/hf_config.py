@@ -21,10 +21,13 @@ Keys read (for the families in FAMILIES; "refused" names the values that are):
 | original_max_position_embeddings (top level) | transformers 5 prefers it for llama3/yarn | a value transformers 4 would not use |
 | partial_rotary_factor (top level or in the rope dict) | | anything but 1.0 |
 | tie_word_embeddings | tie_word_embeddings | |
-| attention_bias (Llama, Qwen3, Qwen3-MoE) | | true (a bias on o_proj too); Qwen2's q/k/v bias is implied by its architecture |
+| attention_bias (Llama, Qwen3, Qwen3-MoE, Granite, OLMo 2, SmolLM3) | | true (a bias on o_proj too); Qwen2's q/k/v bias is implied by its architecture |
 | qkv_bias (Qwen2-MoE) | attn_bias (biases on q/k/v, none on o_proj) | |
-| mlp_bias (Llama) | | true |
-| sliding_window (Mistral, Mixtral); use_sliding_window, max_window_layers, layer_types (Qwen2/Qwen3, Qwen2-MoE); use_sliding_window (Qwen3-MoE) | | a window shorter than max_position_embeddings on any layer (Qwen2-MoE: every layer under transformers 4, the layer_types ones under 5; Qwen3-MoE: every layer); layer_types marking a layer sliding without use_sliding_window (transformers 5 then slides a window of 0) |
+| mlp_bias (Llama, Granite, SmolLM3) | | true |
+| embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling (Granite) | the same names: the embedding and each block's output multiplied, the attention scores scaled by attention_multiplier (HF's default 1.0, not head_dim ** -0.5), the logits divided | values that are not finite numbers, logits_scaling 0 |
+| (OLMo 2's architecture) | pre_norm false, post_norm true (RMSNorm on each block's output before the residual add), qk_layernorm over the whole q and k projections | |
+| no_rope_layers, no_rope_layer_interval (SmolLM3) | nope_layers: the layers whose no_rope_layers entry is 0 attend without rotary embedding (absent: every no_rope_layer_interval-th) | a list that is not one 0 or 1 per layer |
+| sliding_window (Mistral, Mixtral); use_sliding_window, max_window_layers, layer_types (Qwen2/Qwen3, Qwen2-MoE); use_sliding_window (Qwen3-MoE); use_sliding_window, layer_types (SmolLM3: absent, its NoPE layers slide) | | a window shorter than max_position_embeddings on any layer (Qwen2-MoE: every layer under transformers 4, the layer_types ones under 5; Qwen3-MoE: every layer); layer_types marking a layer sliding without use_sliding_window (transformers 5 then slides a window of 0) |
 | num_local_experts (Mixtral), num_experts (Qwen2-MoE, Qwen3-MoE); transformers 5 maps num_experts onto num_local_experts for Mixtral and Qwen3-MoE, so either name is read there | moe.num_experts | fewer than 1; both names present and different |
 | num_experts_per_tok | moe.top_k | outside 1 .. the number of experts |
 | norm_topk_prob (Qwen2-MoE, Qwen3-MoE; Mixtral always renormalizes) | moe.normalization_mode: 1 (top-k weights divided by their sum) if true, else 0 | |
@@ -34,13 +37,14 @@ Keys read (for the families in FAMILIES; "refused" names the values that are):
 | dtype, torch_dtype | the default --dtype | dtypes other than float32/bfloat16/float16 |
 | bos_token_id, eos_token_id | stop tokens | |
 | quantization_config | | any (pre-quantized checkpoints) |
-| attn_logit_softcapping, final_logit_softcapping, logits_scaling, embedding_multiplier, residual_multiplier, attention_multiplier, query_pre_attn_scalar, use_mrope | (other families' math; HF's Llama/Mistral/Mixtral/Qwen classes ignore them, so a config that sets them was not made for these) | any value but the neutral one |
+| attn_logit_softcapping, final_logit_softcapping, logits_scaling, embedding_multiplier, residual_multiplier, attention_multiplier, query_pre_attn_scalar, use_mrope | (other families' math, where a family does not read them itself; HF's classes for it ignore them, so a config that sets them was not made for it) | any value but the neutral one |
 
 IGNORED lists the keys that do not change the forward pass at inference (dropout, initialisation,
 generation defaults, output switches, bookkeeping; for the MoE families router_aux_loss_coef,
 output_router_logits and Mixtral's router_jitter_noise, which act only in training);
 tests/test_hf_config.py walks every field of the installed transformers' LlamaConfig, MistralConfig,
-Qwen2Config, Qwen3Config, MixtralConfig, Qwen2MoeConfig and Qwen3MoeConfig and fails on one that
+Qwen2Config, Qwen3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, GraniteConfig, Olmo2Config and
+SmolLM3Config and fails on one that
 is in neither table, so a field added by a new transformers release is a failing test, not a wrong
 answer. Other keys a config.json carries (auto_map, unsloth_version ...) are not read by these
 models in HF either, and are ignored.
@@ -236,8 +240,9 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
             raise ConfigError(f"{key} null is not supported; expected a value (absent, HF's default for "
                               f"{arch} is {defaults[key]!r})")
 
-    for key, neutral in {**FOREIGN, **FOREIGN_BY_FAMILY.get(family, {})}.items():
-        if key not in MAPPED[family] and hf.get(key, neutral) not in (None, neutral):
+    foreign = {k: v for k, v in FOREIGN.items() if k not in MAPPED[family]}  # Granite reads its multipliers
+    for key, neutral in {**foreign, **FOREIGN_BY_FAMILY.get(family, {})}.items():
+        if hf.get(key, neutral) not in (None, neutral):
             raise ConfigError(f"{key}={hf[key]!r} is not supported for {arch} (HF's {arch} does not "
                               f"implement it; expected it absent or {neutral!r})")
     for key in ("attention_bias", "mlp_bias"):

@@ -1,6 +1,6 @@
 """Checkpoints saved by transformers 4.57 and by 5.x, made from the real published configs of
-Llama-3.2, Qwen2.5, Qwen3, Mistral and a YaRN-scaled Qwen2.5, convert to the same checkpoint and
-generate what HF generates (float32, greedy), on the aoti and eager backends.
+Llama-3.2, Qwen2.5, Qwen3, Mistral, a YaRN-scaled Qwen2.5, Granite-3.1, OLMo-2, SmolLM3 and the MoEs, convert
+to the same checkpoint and generate what HF generates (float32, greedy), on the aoti and eager backends.
 
 The 5.x side runs in another venv (KILN_TRANSFORMERS5_PYTHON, which `make test` sets): its
 transformers saves the models and answers for them (tests/published_models.py). Without it, only

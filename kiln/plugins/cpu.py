@@ -48,9 +48,10 @@ def _gather_kv(kv_cache, layer, block_tables, dtype, kv_scale=None):
 
 
 def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_context_lens,
-                    gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale=None):
+                    gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale=None, window=0):
     """Traceable: sizes come only from input shapes, and both phases always run (either may be
-    empty), so the graph compiler can take it whole instead of calling back into Python."""
+    empty), so the graph compiler can take it whole instead of calling back into Python. window: the
+    layer's sliding window (0: none), a query at p seeing keys p - window < key <= p."""
     T = q.shape[0]
     out = q.new_zeros(T + 1, *q.shape[1:])  # row T takes the context phase's padding
     # Context phase: [Sc, H, Qmax, D] queries, causal from each chunk's offset in its sequence.
@@ -59,13 +60,19 @@ def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_c
     k, v = _gather_kv(kv_cache, layer, ctx_block_tables, q.dtype, kv_scale)
     query_pos = (ctx_context_lens - valid.sum(1))[:, None] + torch.arange(q_ctx.shape[2])
     query_pos = torch.minimum(query_pos, (ctx_context_lens - 1)[:, None])
-    mask = torch.arange(k.shape[2])[None, None, :] <= query_pos[:, :, None]  # [Sc, Qmax, K]
+    keys = torch.arange(k.shape[2])[None, None, :]
+    mask = keys <= query_pos[:, :, None]  # [Sc, Qmax, K]
+    if window:
+        mask &= keys > query_pos[:, :, None] - window
     o = F.scaled_dot_product_attention(q_ctx, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
     dest = torch.where(valid, ctx_token_index, T).flatten()
     out.index_put_((dest,), o.transpose(1, 2).flatten(0, 1))
     # Generation phase: one query per sequence, never padded to the context phase's Qmax.
     k, v = _gather_kv(kv_cache, layer, gen_block_tables, q.dtype, kv_scale)
-    mask = torch.arange(k.shape[2])[None, :] < gen_context_lens[:, None]
+    keys = torch.arange(k.shape[2])[None, :]
+    mask = keys < gen_context_lens[:, None]
+    if window:
+        mask &= keys >= gen_context_lens[:, None] - window
     o = F.scaled_dot_product_attention(q[gen_token_index][:, :, None], k, v, attn_mask=mask[:, None, None],
                                        scale=scale, enable_gqa=True)
     out.index_put_((gen_token_index,), o[:, :, 0])

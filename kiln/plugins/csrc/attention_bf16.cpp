@@ -208,26 +208,33 @@ inline void by_panels(const Tile& t, Fn fn) {
   }
 }
 
-// Masks the page's n scores (keys start .. start + n) by causality, updates m and l, and leaves
-// exp(s - m) in s and each lane's rescale factor in corr.
-void online_softmax(const Tile& t, int64_t start, int64_t n) {
+// Masks the page's n scores (keys start .. start + n) by causality and the sliding window (a row at
+// pos sees keys pos - window < key <= pos), updates m and l, and leaves exp(s - m) in s and each
+// lane's rescale factor in corr.
+void online_softmax(const Tile& t, int64_t start, int64_t n, int64_t window) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t c = 0; c < t.panels; ++c) {
     const __m512i pos = _mm512_loadu_si512(t.pos + c * L);
+    // The last key before each row's window (below every key when there is no window).
+    const __m512i before = window == 0 ? _mm512_set1_epi32(std::numeric_limits<int32_t>::min())
+                                       : _mm512_sub_epi32(pos, _mm512_set1_epi32(static_cast<int32_t>(window)));
     float* col = t.s + c * L;
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 mx = neg_inf;
     for (int64_t k = 0; k < n; ++k) {
-      const __mmask16 seen = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(start + k)));
-      const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), seen,
-                                          _mm512_loadu_ps(col + k * t.width));
+      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(start + k));
+      const __mmask16 seen = _mm512_cmpge_epi32_mask(pos, key) & _mm512_cmplt_epi32_mask(before, key);
+      const __m512 s = _mm512_mask_mov_ps(neg_inf, seen, _mm512_loadu_ps(col + k * t.width));
       _mm512_storeu_ps(col + k * t.width, s);
       mx = _mm512_max_ps(mx, s);
     }
     const __m512 m_old = _mm512_loadu_ps(t.m + c * L), m_new = _mm512_max_ps(m_old, mx);
-    // Every row sees key 0 on the first page, so m_new is finite from there on.
-    const __m512 corr = exp_nonpositive(_mm512_sub_ps(m_old, m_new));
+    // A row that has seen no key yet (its window starts on a later page) keeps m = -inf; its exps
+    // are taken against 0 then, so that they and corr are 0, not NaN.
+    const __m512 m_exp = _mm512_mask_mov_ps(m_new, _mm512_cmpeq_ps_mask(m_new, neg_inf), _mm512_setzero_ps());
+    const __m512 corr = exp_nonpositive(_mm512_sub_ps(m_old, m_exp));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t k = 0; k < n; ++k) {
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(col + k * t.width), m_new));
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(col + k * t.width), m_exp));
       _mm512_storeu_ps(col + k * t.width, e);
       sum = _mm512_add_ps(sum, e);
     }
@@ -265,7 +272,7 @@ void store_rows(const AttentionParams& p, const WorkItem& it, const Tile& t) {
   const int64_t G = p.num_heads / p.num_kv_heads, D = p.head_dim;
   auto* out = static_cast<c10::BFloat16*>(p.out);
   for (int64_t r = 0; r < t.rows; ++r) {
-    const float mul = p.kv_scale / t.l[r];  // every query sees key 0, so l >= 1
+    const float mul = p.kv_scale / t.l[r];  // every query sees its own key, so l >= 1
     c10::BFloat16* dst = out + (it.tokens[r / G] * p.num_heads + it.kv_head_begin * G + r % G) * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = c10::BFloat16(t.o[d * t.width + r] * mul);
   }
@@ -276,7 +283,7 @@ void store_rows(const AttentionParams& p, const WorkItem& it, const Tile& t) {
 bool context_bf16_fits(const AttentionParams& p, const WorkItem& it) {
   const int64_t G = p.num_heads / p.num_kv_heads;
   return p.q_dtype == DType::BFloat16 && p.kv_dtype == DType::BFloat16 && p.head_dim % 2 == 0 &&
-         it.partial == nullptr && it.key_begin == 0 && it.kv_head_end == it.kv_head_begin + 1 && it.n_q * G >= L;
+         it.partial == nullptr && it.kv_head_end == it.kv_head_begin + 1 && it.n_q * G >= L;
 }
 
 int64_t context_bf16_scratch(const AttentionParams& p, int64_t n_q) {
@@ -292,13 +299,13 @@ void attend_context_bf16(const AttentionParams& p, const WorkItem& it, float* sc
   const auto* k_base = static_cast<const uint16_t*>(p.k);
   const auto* v_base = static_cast<const uint16_t*>(p.v);
   const float mul = p.scale * p.kv_scale;
-  for (int64_t b = 0; b * bs < it.key_end; ++b) {
+  for (int64_t b = it.key_begin / bs; b * bs < it.key_end; ++b) {
     const int64_t start = b * bs, n = std::min(bs, it.key_end - start);
     const int64_t offset = it.block_table[b] * p.block_stride + it.kv_head_begin * p.head_stride;
     by_panels(t, [&](auto np, int64_t c0) {
       scores_panels<decltype(np)::value>(t, k_base + offset, p.token_stride, D / 2, n, c0, mul);
     });
-    online_softmax(t, start, n);
+    online_softmax(t, start, n, p.window);
     pair_keys(t, v_base + offset, p.token_stride, n, D, Dv);
     by_panels(t, [&](auto np, int64_t c0) { pv_panels<decltype(np)::value>(t, (n + 1) / 2, D, Dv, c0); });
   }

@@ -169,7 +169,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
                                const at::Tensor& ctx_token_index, const at::Tensor& ctx_block_tables,
                                const at::Tensor& ctx_context_lens, const at::Tensor& gen_token_index,
                                const at::Tensor& gen_block_tables, const at::Tensor& gen_context_lens,
-                               double scale, const std::optional<at::Tensor>& kv_scale) {
+                               double scale, const std::optional<at::Tensor>& kv_scale, int64_t window) {
   check_dim(q, 3, "q", "[num_tokens, num_heads, head_dim]");
   check_dim(kv_cache, 6, "kv_cache", "[layers, 2, blocks, block_size, kv_heads, head_dim]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -182,6 +182,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   TORCH_CHECK(kv_cache.stride(5) == 1, kOp, "kv_cache's head_dim must be contiguous (it is read in place)");
   const DType q_dtype = dtype_of(q, "q");
   const DType kv_dtype = kv_dtype_of(kv_cache);
+  TORCH_CHECK(window >= 0, kOp, "window must be >= 0 (0: no sliding window), got ", window);
+  // The first key a query at `pos` sees, rounded down to its page: where the item's pages start.
+  const auto first_page_key = [&](int64_t pos) {
+    return window == 0 ? int64_t{0} : std::max<int64_t>(0, pos - window + 1) / bs * bs;
+  };
   const float kv_mul = kv_scale_of(kv_scale, kv_dtype);
   check_dim(ctx_token_index, 2, "ctx_token_index", "[num_ctx, max_ctx_tokens]");
   check_dim(ctx_block_tables, 2, "ctx_block_tables", "[num_ctx, max_blocks]");
@@ -214,11 +219,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   if (T == 0 || H == 0 || D == 0) return out;
   std::vector<char> covered(T, 0);
 
-  auto check_pages = [&](const int32_t* table, int64_t width, int64_t length, const char* phase, int64_t i) {
+  auto check_pages = [&](const int32_t* table, int64_t width, int64_t from, int64_t length, const char* phase,
+                         int64_t i) {
     const int64_t pages = (length + bs - 1) / bs;
     TORCH_CHECK(pages <= width, kOp, phase, " request ", i, ": context length ", length, " needs ", pages,
                 " blocks of ", bs, " tokens, but its block table has ", width);
-    for (int64_t b = 0; b < pages; ++b) {
+    for (int64_t b = from / bs; b < pages; ++b) {
       TORCH_CHECK(table[b] >= 0 && table[b] < NB, kOp, phase, " request ", i, ": block table entry ", b,
                   " is ", table[b], ", outside the pool's ", NB, " blocks");
     }
@@ -246,13 +252,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
     TORCH_CHECK(q_len <= length, kOp, "context request ", i, " has ", q_len, " new tokens but context length ",
                 length, " (cached + new)");
     const int32_t* table = ct + i * ct_width;
-    check_pages(table, ct_width, length, "context", i);
+    check_pages(table, ct_width, first_page_key(length - q_len), length, "context", i);
     for (int64_t t0 = 0; t0 < q_len; t0 += tile) {
-      const int64_t n = std::min(tile, q_len - t0), first_pos = length - q_len + t0;
-      const int64_t cost = n * G * (first_pos + (n + 1) / 2) + first_pos + n;
+      const int64_t n = std::min(tile, q_len - t0), first_pos = length - q_len + t0, from = first_page_key(first_pos);
+      const int64_t cost = n * G * (first_pos - from + (n + 1) / 2) + first_pos - from + n;
       for (int64_t kh = 0; kh < KH; ++kh) {
-        items.push_back({ctx_tokens.data() + first + t0, n, first_pos, table, kh, kh + 1, 0, first_pos + n, nullptr,
-                         cost});
+        items.push_back({ctx_tokens.data() + first + t0, n, first_pos, table, kh, kh + 1, from, first_pos + n,
+                         nullptr, cost});
       }
     }
   }
@@ -262,9 +268,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
     TORCH_CHECK(gi[i] >= 0 && gi[i] < T, kOp, "gen_token_index[", i, "] = ", gi[i], " is outside the step's ", T,
                 " tokens");
     TORCH_CHECK(gl[i] >= 1, kOp, "generation request ", i, " has context length ", gl[i], "; expected >= 1");
-    check_pages(gt + i * gt_width, gt_width, gl[i], "generation", i);
+    check_pages(gt + i * gt_width, gt_width, first_page_key(gl[i] - 1), gl[i], "generation", i);
     covered[gi[i]] = 1;
-    total_cost += (G + 1) * KH * gl[i];
+    total_cost += (G + 1) * KH * (gl[i] - first_page_key(gl[i] - 1));
   }
   // A generation token is one work item over all KV heads: its pages are read once, whole. When a
   // few long sequences would leave threads idle (a small decode batch at long context), each is
@@ -274,7 +280,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   const int64_t target = std::max(total_cost / (4 * threads), (G + 1) * kMinPartitionKeys);
   std::vector<int64_t> part_len(Sg, 0);
   for (int64_t i = 0; i < Sg; ++i) {
-    const int64_t length = gl[i];
+    const int64_t length = gl[i] - first_page_key(gl[i] - 1);  // the keys read
     const int64_t parts = threads > 1 ? std::min((G + 1) * KH * length / target, length / kMinPartitionKeys) : 1;
     if (parts > 1) {
       part_len[i] = ((length + parts - 1) / parts + bs - 1) / bs * bs;
@@ -287,17 +293,18 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   // Fewer tokens than threads (a batch-1 decode): one item per KV head, so that every thread works.
   const bool split_heads = static_cast<int64_t>(items.size()) + Sg < threads;
   for (int64_t i = 0; i < Sg; ++i) {
-    const int64_t length = gl[i];
+    const int64_t length = gl[i], from = first_page_key(length - 1);
     const int32_t* table = gt + i * gt_width;
     if (part_len[i] == 0) {
       for (int64_t kh = 0; kh < KH; kh += split_heads ? 1 : KH) {
         const int64_t end = split_heads ? kh + 1 : KH;
-        items.push_back({gi + i, 1, length - 1, table, kh, end, 0, length, nullptr, (G + 1) * (end - kh) * length});
+        items.push_back({gi + i, 1, length - 1, table, kh, end, from, length, nullptr,
+                         (G + 1) * (end - kh) * (length - from)});
       }
       continue;
     }
     combines.push_back({gi[i], next_partial, 0});
-    for (int64_t k0 = 0; k0 < length; k0 += part_len[i]) {
+    for (int64_t k0 = from; k0 < length; k0 += part_len[i]) {
       const int64_t k1 = std::min(length, k0 + part_len[i]);
       items.push_back({gi + i, 1, length - 1, table, 0, KH, k0, k1, next_partial, (G + 1) * KH * (k1 - k0)});
       next_partial += H * (D + 2);
@@ -334,6 +341,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   p.head_dim = D;
   p.block_size = bs;
   p.scale = static_cast<float>(scale);
+  p.window = window;
 
   // Context tiles over a bf16 pool take the bf16 dot-product kernel where the CPU has one.
   const bool bf16 = (cpu_features() & kAvx512Bf16) != 0;
@@ -370,7 +378,7 @@ at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& kv_cache,
                                 const at::Tensor& ctx_token_index, const at::Tensor& ctx_block_tables,
                                 const at::Tensor& ctx_context_lens, const at::Tensor& gen_token_index,
                                 const at::Tensor& gen_block_tables, const at::Tensor& gen_context_lens,
-                                double scale, const std::optional<at::Tensor>& kv_scale) {
+                                double scale, const std::optional<at::Tensor>& kv_scale, int64_t window) {
   return at::empty_like(q, at::MemoryFormat::Contiguous);
 }
 
@@ -382,7 +390,7 @@ std::string kernel_capability() { return kernel().name; }
 TORCH_LIBRARY(kiln_cpp, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, int layer, Tensor ctx_token_index, "
         "Tensor ctx_block_tables, Tensor ctx_context_lens, Tensor gen_token_index, "
-        "Tensor gen_block_tables, Tensor gen_context_lens, float scale, Tensor? kv_scale=None) -> Tensor",
+        "Tensor gen_block_tables, Tensor gen_context_lens, float scale, Tensor? kv_scale=None, int window=0) -> Tensor",
         {at::Tag::pt2_compliant_tag});
   // Which build of the kernel runs on this CPU: "AVX512", "AVX2" or "DEFAULT".
   m.def("kernel_capability() -> str", &kiln::kernel_capability);

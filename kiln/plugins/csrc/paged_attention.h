@@ -28,20 +28,24 @@ struct AttentionParams {
   int64_t block_stride, token_stride, head_stride;
   int64_t num_heads, num_kv_heads, head_dim, block_size;
   float scale;
+  // The layer's sliding window: a query at position p sees keys p - window < key <= p (0: all keys
+  // up to p). Pages wholly before every query's window are never read.
+  int64_t window;
 };
 
 // One unit of work: n_q consecutive query tokens of one sequence (a tile of a context-phase chunk,
 // or a generation-phase token) against KV heads kv_head_begin .. kv_head_end, i.e. n_q * G query
 // rows per KV head (G = num_heads / num_kv_heads: the whole GQA group shares every K/V page it
 // reads). Query j sits at position first_pos + j of its sequence and attends keys 0 ..
-// first_pos + j (causal), of which this item covers [key_begin, key_end): all of them, or one
-// partition of a long generation-phase sequence (flash-decoding), whose unnormalized result goes
-// to `partial` for a combine pass.
+// first_pos + j (causal; with a window, from first_pos + j - window + 1), of which this item covers
+// [key_begin, key_end): all of them, or one partition of a long generation-phase sequence
+// (flash-decoding), whose unnormalized result goes to `partial` for a combine pass.
 struct WorkItem {
   const int64_t* tokens;  // flat token index of each of the n_q queries
   int64_t n_q;
   int64_t first_pos;
-  const int32_t* block_table;  // the sequence's pages, at least ceil(key_end / block_size)
+  const int32_t* block_table;  // the sequence's pages, at least ceil(key_end / block_size); those before
+                               // key_begin are not read
   int64_t kv_head_begin, kv_head_end;
   int64_t key_begin;  // a multiple of block_size
   int64_t key_end;    // <= first_pos + n_q

@@ -446,19 +446,24 @@ struct HeadRows {
   float* corr;     // [rows] this page's correction exp(m_old - m_new)
 };
 
-// Online softmax of rows r0 .. rows over a page's scores s[r][0, Bp), of which row r sees the first
-// visible(r): turns the scores into probabilities (0 for the unseen keys), updates m and l, and sets
-// corr to the factor the row's accumulator must be rescaled by.
-template <typename Visible>
-inline void online_softmax(const HeadRows& h, int64_t r0, int64_t rows, float* s, int64_t Bp, Visible visible) {
+// Online softmax of rows r0 .. rows over a page's scores s[r][0, Bp), of which row r sees keys
+// hidden(r) .. visible(r) (hidden: keys before its sliding window): turns the scores into
+// probabilities (0 for the unseen keys), updates m and l, and sets corr to the factor the row's
+// accumulator must be rescaled by.
+template <typename Visible, typename Hidden>
+inline void online_softmax(const HeadRows& h, int64_t r0, int64_t rows, float* s, int64_t Bp, Visible visible,
+                           Hidden hidden) {
   for (int64_t r = r0; r < rows; ++r) {
     float* sr = s + r * Bp;
     std::fill(sr + visible(r), sr + Bp, kNegInf);
+    std::fill(sr, sr + std::min<int64_t>(hidden(r), Bp), kNegInf);
     Vec mx(kNegInf);
     for (int64_t t = 0; t < Bp; t += W) mx = at::vec::maximum(mx, Vec::loadu(sr + t));
-    const float m_new = std::max(h.m[r], reduce_max(mx));
-    h.corr[r] = std::exp(h.m[r] - m_new);  // 0 on the first page (m = -inf)
-    const Vec vm(m_new);
+    // A row that has seen no key yet (its window starts on a later page) keeps m = -inf; exp is
+    // taken against 0 then, so that its probabilities and corr are 0, not NaN.
+    const float m_new = std::max(h.m[r], reduce_max(mx)), m_exp = m_new == kNegInf ? 0.f : m_new;
+    h.corr[r] = std::exp(h.m[r] - m_exp);  // 0 on the first page (m = -inf)
+    const Vec vm(m_exp);
     Vec sum(0.f);
     for (int64_t t = 0; t < Bp; t += W) {
       const Vec e = (Vec::loadu(sr + t) - vm).exp_u20();  // ATen's softmax exp (20 ULP)
@@ -477,10 +482,14 @@ void attend_page(const AttentionParams& p, const WorkItem& it, const HeadRows& h
                  const T* vp, int64_t ahead, int64_t start, int64_t n, float* s, float* kf, float* vf, float* kt) {
   const int64_t G = p.num_heads / p.num_kv_heads, D = p.head_dim;
   const int64_t Dp = round_up(D, W), Bp = round_up(p.block_size, W);
-  if (it.n_q == 1 && decode_fits(D)) {  // a generation token: every row sees all n keys
+  // Row r's query sits at first_pos + r / G: keys before pos - window + 1 are outside its window.
+  const auto hidden = [&](int64_t r) {
+    return p.window == 0 ? int64_t{0} : std::clamp<int64_t>(it.first_pos + r / G - p.window + 1 - start, 0, n);
+  };
+  if (it.n_q == 1 && decode_fits(D)) {  // a generation token: every row sees all n keys but the hidden
     const auto all = [n](int64_t) { return n; };
     decode_pass(h.q, h.o, h.corr, s, kf, rows, Bp, kp, vp, p.token_stride, n, D, ahead, true);
-    online_softmax(h, 0, rows, s, Bp, all);
+    online_softmax(h, 0, rows, s, Bp, all, hidden);
     decode_pass(h.q, h.o, h.corr, s, kf, rows, Bp, kp, vp, p.token_stride, n, D, ahead, false);
     return;
   }
@@ -515,7 +524,7 @@ void attend_page(const AttentionParams& p, const WorkItem& it, const HeadRows& h
   } else {
     for (int64_t r = r0; r < rows; ++r) scores(h.q + r * Dp, K, stride, visible(r), s + r * Bp, Dp);
   }
-  online_softmax(h, r0, rows, s, Bp, visible);
+  online_softmax(h, r0, rows, s, Bp, visible, hidden);
   // o = o * corr + p V, two rows per pass over the V page (row r + 1 sees at least row r's keys).
   int64_t r = r0;
   for (; r + 1 < rows; r += 2) {

@@ -1,0 +1,70 @@
+"""Sliding-window attention: the paged-attention plugins (C++ and inline) against the reference with a
+window, pages wholly before every query's window never read; and engines of models that slide."""
+import zlib
+
+import pytest
+import torch
+
+from kiln.plugins import cpp, cpu, reference
+from test_plugins import BF16_TOL, F32_TOL, HEADS, STEPS, _args, _make_step
+
+WINDOWS = [1, 7, 16, 40, 129]
+
+
+def _step(step, block_size, heads, window):
+    kv_heads, num_heads = HEADS[heads]
+    seed = zlib.crc32(f"window/{step}/{block_size}/{heads}/{window}".encode())
+    return _make_step(STEPS[step], layers=2, kv_heads=kv_heads, heads=num_heads, head_dim=32,
+                      block_size=block_size, seed=seed, extra_q_pad=3, extra_block_pad=2)[0]
+
+
+def _freed(inputs, window: int):
+    """The step with every block-table entry wholly before its request's window pointing at a block of
+    NaNs, as the KV cache manager leaves a sliding model's blocks once it has freed them."""
+    cache = inputs["kv_cache"]
+    bs = cache.shape[3]
+    nan = torch.full_like(cache[:, :, :1], float("nan"))
+    out = dict(inputs, kv_cache=torch.cat([cache, nan], dim=2))
+    freed = 0
+    for kind in ("ctx", "gen"):
+        tables = out[f"{kind}_block_tables"].clone()
+        for i, length in enumerate(out[f"{kind}_context_lens"].tolist()):
+            new = int((out["ctx_token_index"][i] >= 0).sum()) if kind == "ctx" else 1
+            first_key = max(0, length - new - window + 1)
+            tables[i, : first_key // bs] = cache.shape[2]
+            freed += first_key // bs
+        out[f"{kind}_block_tables"] = tables
+    assert freed, "the step frees no page: the test would not show that they are skipped"
+    return out
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("heads", ["mha", "gqa8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_op_slides_and_skips_freed_pages(window, heads, dtype):
+    inputs = _step("mixed", 16, heads, window)
+    expected = reference.paged_attention(*_args(inputs), window=window)
+    freed = _freed(inputs, window)
+    q, cache = freed["q"].to(dtype), freed["kv_cache"].to(dtype)  # bf16: the context tiles' bf16 kernel
+    got = cpp.paged_attention_op()(q, cache, *_args(freed)[2:], window=window)
+    assert not got.isnan().any()
+    tol = F32_TOL if dtype == torch.float32 else BF16_TOL
+    want = expected if dtype == torch.float32 else reference.paged_attention(
+        inputs["q"].to(dtype).float(), inputs["kv_cache"].to(dtype).float(), *_args(inputs)[2:], window=window)
+    torch.testing.assert_close(got.float(), want, **tol)
+    # A window as long as every sequence is no window at all.
+    full = cpp.paged_attention_op()(*_args(inputs), window=10_000)
+    torch.testing.assert_close(full, reference.paged_attention(*_args(inputs)), **F32_TOL)
+
+
+@pytest.mark.parametrize("window", [7, 40])
+def test_inline_attention_slides(window):
+    inputs = _step("mixed", 16, "gqa8", window)
+    torch.testing.assert_close(cpu.paged_attention(*_args(inputs), window=window),
+                               reference.paged_attention(*_args(inputs), window=window), **F32_TOL)
+
+
+def test_window_must_not_be_negative():
+    inputs = _step("gen_only", 16, "mha", 1)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        cpp.paged_attention_op()(*_args(inputs), window=-1)

@@ -152,6 +152,10 @@ class PretrainedConfig:
     qk_layernorm_scope: str = "head"
     # Layers that attend without rotary embedding (SmolLM3's NoPE layers).
     nope_layers: list[int] = field(default_factory=list)
+    # Sliding-window attention: a layer of sliding_window_layers (None: every layer) sees the last
+    # sliding_window keys up to its query (None: no window anywhere).
+    sliding_window: int | None = None
+    sliding_window_layers: list[int] | None = None
     # Granite's scalars: the embedding's output, each block's output before its residual add and the
     # attention scores (None: head_size ** -0.5) are multiplied, the logits divided.
     embedding_multiplier: float = 1.0
@@ -176,6 +180,10 @@ class PretrainedConfig:
         if not (self.pre_norm or self.post_norm):
             raise ConfigError("pre_norm and post_norm are both false; expected at least one (where the blocks' "
                               "RMSNorms sit)")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ConfigError(f"sliding_window {self.sliding_window!r} is not supported; expected null or an "
+                              f"integer >= 1")
         if self.qk_layernorm_scope not in QK_LAYERNORM_SCOPES:
             raise ConfigError(f"qk_layernorm_scope {self.qk_layernorm_scope!r} is not supported; expected one of "
                               f"{', '.join(QK_LAYERNORM_SCOPES)}")
@@ -238,6 +246,19 @@ class PretrainedConfig:
     def is_moe_layer(self, i: int) -> bool:
         return (self.moe.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
+
+    def window_of(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, 0 where it attends to every key before its query."""
+        if self.sliding_window is None:
+            return 0
+        layers = self.sliding_window_layers
+        return self.sliding_window if layers is None or layer in layers else 0
+
+    @property
+    def kv_window(self) -> int:
+        """The window every layer slides (KV blocks behind it are never read again), else 0."""
+        windows = {self.window_of(i) for i in range(self.num_hidden_layers)}
+        return 0 if 0 in windows else max(windows)
 
     @property
     def experts_per_rank(self) -> int:

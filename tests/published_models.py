@@ -70,6 +70,16 @@ _QWEN2_5_7B_INSTRUCT_YARN = {  # Qwen/Qwen2.5-7B-Instruct, with the rope_scaling
     "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
 
+_MISTRAL_7B_V0_1 = {  # mistralai/Mistral-7B-v0.1: a 4096-token sliding window on every layer
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000}
+# Qwen/Qwen2.5-0.5B with its sliding window switched on (use_sliding_window, as Qwen2 allows): layers
+# from max_window_layers on slide, the first stays global.
+_QWEN2_5_0_5B_SWA = dict(_QWEN2_5_0_5B, use_sliding_window=True, max_window_layers=1, sliding_window=4096)
+
 _MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1
     "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
     "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
@@ -129,8 +139,10 @@ _SMOLLM3_3B = {  # HuggingFaceTB/SmolLM3-3B (every fourth layer without rotary e
 PUBLISHED = {"llama3.2": _LLAMA_3_2_1B, "qwen2.5": _QWEN2_5_0_5B, "qwen3": _QWEN3_0_6B,
              "mistral": _MISTRAL_7B_V0_3, "qwen2.5-yarn": _QWEN2_5_7B_INSTRUCT_YARN, "mixtral": _MIXTRAL_8X7B,
              "qwen1.5-moe": _QWEN1_5_MOE_A2_7B, "qwen3-moe": _QWEN3_30B_A3B, "granite3.1": _GRANITE_3_1_2B,
-             "olmo2": _OLMO_2_1B, "smollm3": _SMOLLM3_3B}
+             "olmo2": _OLMO_2_1B, "smollm3": _SMOLLM3_3B, "mistral-v0.1": _MISTRAL_7B_V0_1,
+             "qwen2.5-swa": _QWEN2_5_0_5B_SWA}
 # No eos: greedy runs its NEW_TOKENS on both sides without an end-of-sequence rule to agree on.
+WINDOWED, WINDOW = ("mistral-v0.1", "qwen2.5-swa"), 8
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=None, pad_token_id=0)
 
@@ -138,6 +150,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 def tiny_config(name: str) -> dict:
     published = PUBLISHED[name]
     cfg = {**published, **TINY}
+    if name in WINDOWED:  # a window the prompts outgrow, so that it matters
+        cfg["sliding_window"] = WINDOW
     if "moe_intermediate_size" in published:  # experts narrower than the dense MLP, as published
         cfg["moe_intermediate_size"] = 32
     if "shared_expert_intermediate_size" in published:

@@ -70,12 +70,9 @@ def hf_dict(family: str, **kw) -> dict:
 def test_absent_keys_take_hfs_defaults(family):
     minimal = {"architectures": [FAMILIES[family]], "model_type": family, **SIZES}
     hf = getattr(transformers, CLASSES[family])(**SIZES)
-    if family == "mistral":  # HF's Mistral slides a 4096 window over its 131072 positions by default
-        assert hf.sliding_window == 4096 < hf.max_position_embeddings
-        with pytest.raises(ConfigError, match="sliding_window 4096 is smaller than max_position_embeddings 131072"):
-            pretrained_config_from_hf(minimal)
-        minimal["sliding_window"] = None
     ours = pretrained_config_from_hf(minimal)
+    # HF's Mistral slides a 4096 window over its 131072 positions by default; the others none
+    assert (ours.sliding_window, ours.sliding_window_layers) == ((4096, None) if family == "mistral" else (None, None))
     theta = hf.rope_parameters["rope_theta"] if MAJOR >= 5 else hf.rope_theta
     assert (ours.num_key_value_heads, ours.head_size, ours.norm_epsilon, ours.rotary_base, ours.rotary_scaling,
             ours.tie_word_embeddings, ours.max_position_embeddings, ours.hidden_act) == (
@@ -246,10 +243,6 @@ REFUSED = [
     ("llama", lambda hf: (_rope({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})(hf),
                           hf.update(original_max_position_embeddings=64)),
      "original_max_position_embeddings is 64 at the top level but absent (so 2048) in the rope dict"),
-    ("mistral", _set(sliding_window=1024, max_position_embeddings=4096),
-     "sliding_window 1024 is smaller than max_position_embeddings 4096 (on layer(s) 0, 1)"),
-    ("qwen2", _set(use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]),
-     "sliding_window 64 is smaller than max_position_embeddings 32768 (on layer(s) 1)"),
     ("qwen2", _set(layer_types=["full_attention", "chunked_attention"]), "layer_types ['full_attention', "
      "'chunked_attention'] is not supported; expected 2 entries of 'full_attention' or 'sliding_attention'"),
     ("llama", _set(dtype="float64"), "dtype 'float64' is not supported; pass --dtype with one of float32"),
@@ -283,13 +276,10 @@ REFUSED = [
      "false"),
     ("qwen3_moe", _set(head_dim=None), "head_dim null is not supported for Qwen3MoeForCausalLM; expected an integer"),
     ("qwen2_moe", _set(head_dim=None), "head_dim null is not supported for Qwen2MoeForCausalLM; expected an integer"),
-    ("mixtral", _set(sliding_window=1024, max_position_embeddings=4096),
-     "sliding_window 1024 is smaller than max_position_embeddings 4096 (on layer(s) 0, 1)"),
-    ("qwen3_moe", _set(use_sliding_window=True, sliding_window=64),
-     "sliding_window 64 is smaller than max_position_embeddings 32768 (on layer(s) 0, 1)"),
     # transformers 4 slides every layer whatever layer_types says
     ("qwen2_moe", _set(use_sliding_window=True, sliding_window=64, layer_types=["full_attention"] * 2),
-     "sliding_window 64 is smaller than max_position_embeddings 32768 (on layer(s) 0, 1)"),
+     "sliding_window 64 is smaller than max_position_embeddings 32768 (on layer(s) 0, 1); a windowed Qwen2-MoE "
+     "is not supported"),
     ("qwen2_moe", _set(use_sliding_window=False, sliding_window=0, layer_types=["full_attention", "sliding_attention"]),
      "layer_types marks layer(s) 1 'sliding_attention' but use_sliding_window is false"),
     ("qwen2_moe", _set(layer_types=["full_attention"]), "layer_types ['full_attention'] is not supported; expected 2 "
@@ -302,14 +292,39 @@ REFUSED = [
     ("smollm3", _set(mlp_bias=True), "mlp_bias=True is not supported for SmolLM3ForCausalLM"),
     ("smollm3", _set(no_rope_layers=[1, 2]), "no_rope_layers [1, 2] is not supported; expected 2 entries of 1"),
     ("smollm3", _set(no_rope_layers=[1]), "no_rope_layers [1] is not supported"),
-    ("smollm3", _set(use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]),
-     "sliding_window 64 is smaller than max_position_embeddings 32768 (on layer(s) 1)"),
     ("olmo2", _set(logits_scaling=8.0), "logits_scaling=8.0 is not supported for Olmo2ForCausalLM"),
     *[("llama", _set(**{key: value}), f"{key}={value!r} is not supported for LlamaForCausalLM")
       for key, value in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("logits_scaling", 8.0),
                          ("embedding_multiplier", 12.0), ("residual_multiplier", 0.22),
                          ("attention_multiplier", 0.0078125), ("query_pre_attn_scalar", 256), ("use_mrope", True))],
 ]
+
+
+# (family, edit, the sliding_window and sliding_window_layers it must map to)
+WINDOWS = [
+    ("mistral", _set(sliding_window=1024, max_position_embeddings=4096), (1024, None)),
+    ("mistral", _set(sliding_window=4096, max_position_embeddings=4096), (None, None)),  # no query reaches past it
+    ("mixtral", _set(sliding_window=1024, max_position_embeddings=4096), (1024, None)),
+    ("qwen2", _set(use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]),
+     (64, [1])),
+    ("qwen2", _set(use_sliding_window=False, sliding_window=64), (None, None)),
+    ("qwen3", _set(use_sliding_window=True, sliding_window=64, max_window_layers=0, layer_types=None), (64, None)),
+    ("qwen3_moe", _set(use_sliding_window=True, sliding_window=64), (64, None)),
+    ("smollm3", _set(use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]),
+     (64, [1])),
+    ("smollm3", _set(use_sliding_window=True, sliding_window=64, layer_types=None, no_rope_layers=[1, 0]), (64, [1])),
+    ("smollm3", _set(use_sliding_window=False, sliding_window=64), (None, None)),
+]
+
+
+@pytest.mark.parametrize("family,edit,want", WINDOWS, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(WINDOWS)])
+def test_sliding_windows_where_hf_slides_them(family, edit, want):
+    hf = hf_dict(family)
+    edit(hf)
+    ours = pretrained_config_from_hf(hf)
+    assert (ours.sliding_window, ours.sliding_window_layers) == want
+    assert [ours.window_of(i) for i in range(2)] == [
+        0 if want[0] is None or (want[1] is not None and i not in want[1]) else want[0] for i in range(2)]
 
 
 @pytest.mark.parametrize("family,edit,message", REFUSED, ids=[f"{f}: {m.split(' ')[0]}" for f, _, m in REFUSED])

@@ -68,3 +68,54 @@ def test_window_must_not_be_negative():
     inputs = _step("gen_only", 16, "mha", 1)
     with pytest.raises(RuntimeError, match="window must be >= 0"):
         cpp.paged_attention_op()(*_args(inputs), window=-1)
+
+
+NEW_TOKENS = 80  # the longest prompt (109 tokens) + 80 fits max_seq_len 192
+
+
+def _hf_greedy(model_dir, prompts, **config) -> list[list[int]]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **config).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    outs = []
+    for p in prompts:  # one at a time: no padding for a window to meet
+        ids = torch.tensor([tok(p)["input_ids"]])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             min_new_tokens=NEW_TOKENS, pad_token_id=tok.pad_token_id)
+        outs.append(out[0, ids.shape[1]:].tolist())
+    return outs
+
+
+def test_sliding_model_matches_hf_far_past_its_window_holding_few_blocks(engine, hf_model, monkeypatch):
+    from kiln import LLM, SamplingParams
+    from kiln.runtime.core.kv_cache_manager import KVCacheManager
+    from tiny_models import PROMPTS
+
+    model_dir = hf_model("mistral_window")  # a 12-token window on every layer, 8-token blocks
+    want = _hf_greedy(model_dir, PROMPTS)
+    assert want != _hf_greedy(model_dir, PROMPTS, sliding_window=None), "the window changes nothing HF generates"
+
+    held = []  # blocks a decoding sequence holds after each allocation
+    allocate = KVCacheManager.allocate_slots
+
+    def recording(self, seq, n, headroom=0):
+        ok = allocate(self, seq, n, headroom)
+        if seq.num_computed_tokens >= seq.request.num_prompt_tokens:
+            held.append(sum(b >= 0 for b in seq.block_table))
+        return ok
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", recording)
+    llm = LLM(engine("mistral_window"))
+    try:
+        assert llm.llm_engine.core.kv.window == 12
+        # min_tokens: the end-of-sequence token suppressed until then, as HF's min_new_tokens does
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+        for _ in range(2):  # the second time from the prefix cache, blocks dropped from sequences included
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+        # The next query's window (12 keys) and its own block: at most 3 blocks of 8, whatever the length.
+        assert held and max(held) <= 3, max(held)
+        pool = llm.llm_engine.core.kv.pool
+        assert pool.num_free == pool.num_blocks
+    finally:
+        llm.llm_engine.shutdown()

@@ -52,6 +52,8 @@ VARIANTS = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, tie_word_embeddings=False)),
+    # a 12-token sliding window on every layer: KV blocks behind it are dropped
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=12, tie_word_embeddings=False)),
     # qkv bias
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, use_sliding_window=False)),
     # q/k RMSNorm, head_dim != hidden / heads

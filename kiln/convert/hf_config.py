@@ -27,7 +27,7 @@ Keys read (for the families in FAMILIES; "refused" names the values that are):
 | embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling (Granite) | the same names: the embedding and each block's output multiplied, the attention scores scaled by attention_multiplier (HF's default 1.0, not head_dim ** -0.5), the logits divided | values that are not finite numbers, logits_scaling 0 |
 | (OLMo 2's architecture) | pre_norm false, post_norm true (RMSNorm on each block's output before the residual add), qk_layernorm over the whole q and k projections | |
 | no_rope_layers, no_rope_layer_interval (SmolLM3) | nope_layers: the layers whose no_rope_layers entry is 0 attend without rotary embedding (absent: every no_rope_layer_interval-th) | a list that is not one 0 or 1 per layer |
-| sliding_window (Mistral, Mixtral); use_sliding_window, max_window_layers, layer_types (Qwen2/Qwen3, Qwen2-MoE); use_sliding_window (Qwen3-MoE); use_sliding_window, layer_types (SmolLM3: absent, its NoPE layers slide) | | a window shorter than max_position_embeddings on any layer (Qwen2-MoE: every layer under transformers 4, the layer_types ones under 5; Qwen3-MoE: every layer); layer_types marking a layer sliding without use_sliding_window (transformers 5 then slides a window of 0) |
+| sliding_window (Mistral, Mixtral: every layer); use_sliding_window, max_window_layers, layer_types (Qwen2/Qwen3: the layers layer_types marks, else those from max_window_layers on); use_sliding_window (Qwen3-MoE: every layer); use_sliding_window, layer_types (SmolLM3: absent, its NoPE layers slide); Qwen2-MoE's | sliding_window, sliding_window_layers (null: every layer); none where the window is at least max_position_embeddings | Qwen2-MoE with a window shorter than max_position_embeddings (transformers 4 slides every layer, 5 the layer_types ones); layer_types marking a layer sliding without use_sliding_window (transformers 5 then slides a window of 0) |
 | num_local_experts (Mixtral), num_experts (Qwen2-MoE, Qwen3-MoE); transformers 5 maps num_experts onto num_local_experts for Mixtral and Qwen3-MoE, so either name is read there | moe.num_experts | fewer than 1; both names present and different |
 | num_experts_per_tok | moe.top_k | outside 1 .. the number of experts |
 | norm_topk_prob (Qwen2-MoE, Qwen3-MoE; Mixtral always renormalizes) | moe.normalization_mode: 1 (top-k weights divided by their sum) if true, else 0 | |
@@ -262,7 +262,7 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         head_dim = hidden // heads
     max_pos = get("max_position_embeddings")
     theta, scaling = _rope(hf, max_pos, get("rope_theta"))
-    _check_sliding_window(hf, family, get, max_pos)
+    window = _sliding_window(hf, family, get, max_pos)
     moe = _moe(hf, family, arch, get) if family in MOE_FAMILIES else {}
     extra = dict(_granite(get) if family == "granite" else {},
                  nope_layers=[i for i, r in enumerate(_smollm3_rope_layers(hf, get)) if not r] if family == "smollm3"
@@ -293,6 +293,7 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         mapping=mapping,
         **moe,
         **extra,
+        **window,
     )
 
 
@@ -485,10 +486,11 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _check_sliding_window(hf: dict, family: str, get, max_pos: int) -> None:
-    """Refuse a sliding window that any layer would feel; HF's Llama has none."""
+def _sliding_window(hf: dict, family: str, get, max_pos: int) -> dict:
+    """PretrainedConfig's sliding_window and sliding_window_layers: the window and the layers HF slides
+    it over (none when it is at least max_position_embeddings: no query could reach past it)."""
     if family in ("llama", "granite", "olmo2"):
-        return
+        return {}
     window = get("sliding_window")
     n = hf["num_hidden_layers"]
     if family in ("mistral", "mixtral"):  # no switch: a window is in effect whenever one is given
@@ -514,11 +516,15 @@ def _check_sliding_window(hf: dict, family: str, get, max_pos: int) -> None:
             for i in range(n)]
         _check_layer_types(types, n)
         sliding = [i for i, t in enumerate(types) if t == "sliding_attention"] if window is not None else []
-    if sliding and window < max_pos:
+    if not sliding or window >= max_pos:
+        return {}
+    if family == "qwen2_moe":
         raise ConfigError(
             f"sliding_window {window} is smaller than max_position_embeddings {max_pos} (on layer(s) "
-            f"{', '.join(map(str, sliding))}); sliding-window attention is not supported (expected "
-            f"sliding_window null or >= max_position_embeddings)")
+            f"{', '.join(map(str, sliding))}); a windowed Qwen2-MoE is not supported (transformers 4 slides every "
+            f"layer, 5 those layer_types marks; expected sliding_window null or >= max_position_embeddings)")
+    window = _integer("sliding_window", window, 1)
+    return dict(sliding_window=window, sliding_window_layers=None if len(sliding) == n else sliding)
 
 
 def _check_layer_types(types, n: int) -> None:

@@ -70,6 +70,7 @@ class LlamaLayer(nn.Module):
         self.k_layernorm = param("attention.k_layernorm.weight", optional=not config.qk_layernorm)
         self.dense = linear("attention.dense")
         self.rotary = index not in config.nope_layers
+        self.window = config.window_of(index)
         self.moe = self.gate_up = self.proj = None
         if config.is_moe_layer(index):
             self.moe = MoeMLP(config, weights, prefix, rank, packed)
@@ -174,7 +175,8 @@ class LlamaForCausalLM(nn.Module):
             o.kv_cache_write(kv_cache, i, k, v, slot_mapping, kv_scale)
             attn = o.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
                                        gen_token_index, gen_block_tables, gen_context_lens, self.scale,
-                                       *(() if kv_scale is None else (kv_scale,)))
+                                       *(() if kv_scale is None else (kv_scale,)),
+                                       **({"window": layer.window} if layer.window else {}))
             hidden = self._block_output(layer.dense(attn.reshape(T, H * D)), layer.post_attention_layernorm)
             x, residual = self._block_input(hidden, residual, layer.post_layernorm)
             hidden = self._block_output(layer.mlp(x, o.silu_and_mul), layer.post_feedforward_layernorm)

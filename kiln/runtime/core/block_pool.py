@@ -64,13 +64,17 @@ class BlockPool:
             blocks.append(b)
         return blocks
 
+    # A block table's -1 entries hold no block (dropped behind a sliding window): share and release skip them.
     def share(self, blocks: list[int]) -> None:
         for b in blocks:
-            self.ref_counts[b] += 1
+            if b >= 0:
+                self.ref_counts[b] += 1
 
     def release(self, blocks: list[int]) -> None:
         # The tail of a sequence last: its first blocks, the likeliest to be someone's prefix, stay longest.
         for b in reversed(blocks):
+            if b < 0:
+                continue
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0, f"block {b} released twice"
             if self.ref_counts[b] == 0:

@@ -83,7 +83,8 @@ class EngineCore:
         self.build_config = build
         max_batch_size = _bounded("max_batch_size", max_batch_size, build.max_batch_size)
         self.kv = KVCacheManager(self.executor.num_blocks, build.tokens_per_block, max_batch_size,
-                                 build.max_blocks_per_seq, enable_prefix_caching, prefix_cache_seed)
+                                 build.max_blocks_per_seq, enable_prefix_caching, prefix_cache_seed,
+                                 window=self.executor.config.pretrained_config.kv_window)
         self.scheduler = Scheduler(self.kv, max_batch_size, _bounded("max_num_tokens", max_num_tokens,
                                                                      build.max_num_tokens),
                                    build.max_seq_len, scheduler_policy, enable_chunked_prefill)

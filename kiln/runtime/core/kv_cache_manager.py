@@ -4,6 +4,12 @@ With prefix caching on, a sequence admitted from the queue first takes the cache
 longest cached prefix (full blocks only, never the one holding its last token, whose logits must
 be computed), and each block it fills is added to the cache once its K/V are computed.
 
+A model whose every layer slides a window over the keys (`window`) never reads a block again once
+it lies wholly before the window of the sequence's next query: such blocks go back to the pool as
+the sequence grows (still findable by the prefix cache until reused), and their entries in the
+sequence's block table become -1 (the attention kernels start at the window's first block), so the
+blocks a sequence holds stay bounded by its window however long it generates.
+
 Each sequence holding blocks also has a row of `block_tables`, a tensor copy of its block table
 kept in step with it as blocks are added, so that a step's tables are gathered from rows instead of
 being built from Python lists every step (kiln/runtime/core/step_plan.py).
@@ -17,8 +23,9 @@ from kiln.runtime.messages import blocks_for, request_blocks
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, tokens_per_block: int, max_seqs: int, max_blocks_per_seq: int,
-                 enable_prefix_caching: bool = True, prefix_cache_seed: int | None = None):
+                 enable_prefix_caching: bool = True, prefix_cache_seed: int | None = None, window: int = 0):
         self.pool = BlockPool(num_blocks)
+        self.window = window
         self.tokens_per_block = tokens_per_block
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = BlockHasher(prefix_cache_seed)
@@ -46,6 +53,7 @@ class KVCacheManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, headroom: int = 0) -> bool:
         """Make room for K/V of `num_new_tokens` more tokens, leaving `headroom` blocks free beside;
         False (nothing taken) if the pool is short."""
+        self._drop_behind_window(seq)
         need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         from_reserve = min(max(need, 0), seq.reserved_blocks)
         if max(need, 0) - from_reserve + headroom > self.num_available:
@@ -56,6 +64,22 @@ class KVCacheManager:
         self.reserved -= from_reserve
         self._append(seq, self.pool.allocate(need))
         return True
+
+    def _drop_behind_window(self, seq: Sequence) -> None:
+        """Release the blocks wholly before the window of the sequence's next query (at position
+        num_computed_tokens; computed tokens are never taken back past that)."""
+        if not self.window:
+            return
+        end = min(max(0, seq.num_computed_tokens - self.window + 1) // self.tokens_per_block, len(seq.block_table))
+        if end == 0 or seq.block_table[end - 1] < 0:
+            return
+        self.cache_full_blocks(seq)  # they stay findable by their hashes until reused
+        table = seq.block_table
+        start = end - 1
+        while start > 0 and table[start - 1] >= 0:
+            start -= 1
+        self.pool.release(table[start:end])
+        table[start:end] = [-1] * (end - start)
 
     # -- the prefix cache ---------------------------------------------------------------------
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -89,7 +113,8 @@ class KVCacheManager:
         if full > seq.num_cached_blocks:
             hashes = self._hashes(seq, full)
             for i in range(seq.num_cached_blocks, full):
-                self.pool.cache(seq.block_table[i], hashes[i])
+                if seq.block_table[i] >= 0:  # not dropped behind a sliding window
+                    self.pool.cache(seq.block_table[i], hashes[i])
             seq.num_cached_blocks = full
 
     def _append(self, seq: Sequence, blocks: list[int]) -> None:

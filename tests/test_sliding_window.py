@@ -20,10 +20,10 @@ def _step(step, block_size, heads, window):
 
 def _freed(inputs, window: int):
     """The step with every block-table entry wholly before its request's window pointing at a block of
-    NaNs, as the KV cache manager leaves a sliding model's blocks once it has freed them."""
+    NaNs (int8: of 127s), as the KV cache manager leaves a sliding model's blocks once it has freed them."""
     cache = inputs["kv_cache"]
     bs = cache.shape[3]
-    nan = torch.full_like(cache[:, :, :1], float("nan"))
+    nan = torch.full_like(cache[:, :, :1], 127 if cache.dtype == torch.int8 else float("nan"))
     out = dict(inputs, kv_cache=torch.cat([cache, nan], dim=2))
     freed = 0
     for kind in ("ctx", "gen"):
@@ -55,6 +55,24 @@ def test_cpp_op_slides_and_skips_freed_pages(window, heads, dtype):
     # A window as long as every sequence is no window at all.
     full = cpp.paged_attention_op()(*_args(inputs), window=10_000)
     torch.testing.assert_close(full, reference.paged_attention(*_args(inputs)), **F32_TOL)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_cpp_op_slides_over_8bit_pages(kv_dtype):
+    from test_cpp_attention import _8bit_pool
+
+    inputs = _step("mixed", 16, "gqa3", 40)
+    q, cache, *rest = _args(inputs)
+    pool, kv_scale = _8bit_pool(cache, kv_dtype)
+    expected = reference.paged_attention(q, pool, *rest, kv_scale=kv_scale, window=40)
+    freed = _freed(dict(inputs, kv_cache=pool), 40)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # flash-decoding partitions of the 1000-token decodes, from the window on
+        got = cpp.paged_attention_op()(q, freed["kv_cache"], *_args(freed)[2:], kv_scale, window=40)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, expected, **F32_TOL)
 
 
 @pytest.mark.parametrize("window", [7, 40])

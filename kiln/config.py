@@ -21,7 +21,10 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "SmolLM3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+# The MLP's gate activation: SwiGLU, or GeGLU with the tanh approximation (Gemma).
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 QK_LAYERNORM_SCOPES = ("head", "projection")
 # rotary_scaling.type -> the keys the rotary embedding cannot do without (kiln/models/rope.py).
 ROPE_SCALING_TYPES = {"linear": ("factor",), "dynamic": ("factor",),
@@ -156,6 +159,12 @@ class PretrainedConfig:
     # sliding_window keys up to its query (None: no window anywhere).
     sliding_window: int | None = None
     sliding_window_layers: list[int] | None = None
+    # Gemma: sliding layers rotate with their own base (no scaling; None: the global rotary_base and
+    # rotary_scaling everywhere); RMSNorms multiply by norm_weight_offset + weight, in float32; the
+    # logits pass through tanh(logits / cap) * cap (None: not capped).
+    rotary_base_local: float | None = None
+    norm_weight_offset: float = 0.0
+    final_logit_softcapping: float | None = None
     # Granite's scalars: the embedding's output, each block's output before its residual add and the
     # attention scores (None: head_size ** -0.5) are multiplied, the logits divided.
     embedding_multiplier: float = 1.0
@@ -170,8 +179,9 @@ class PretrainedConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         torch_dtype(self.dtype)
-        if self.hidden_act != "silu":
-            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
+        if self.hidden_act not in HIDDEN_ACTS or (self.moe.num_experts and self.hidden_act != "silu"):
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; expected one of "
+                              f"{', '.join(HIDDEN_ACTS[:1] if self.moe.num_experts else HIDDEN_ACTS)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

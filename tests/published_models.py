@@ -70,6 +70,15 @@ _QWEN2_5_7B_INSTRUCT_YARN = {  # Qwen/Qwen2.5-7B-Instruct, with the rope_scaling
     "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
 
+_GEMMA_3_1B_IT = {  # google/gemma-3-1b-it: five sliding (local rope) layers per global one, GeGLU, sandwich norms
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144}
 _MISTRAL_7B_V0_1 = {  # mistralai/Mistral-7B-v0.1: a 4096-token sliding window on every layer
     "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
     "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
@@ -140,9 +149,9 @@ PUBLISHED = {"llama3.2": _LLAMA_3_2_1B, "qwen2.5": _QWEN2_5_0_5B, "qwen3": _QWEN
              "mistral": _MISTRAL_7B_V0_3, "qwen2.5-yarn": _QWEN2_5_7B_INSTRUCT_YARN, "mixtral": _MIXTRAL_8X7B,
              "qwen1.5-moe": _QWEN1_5_MOE_A2_7B, "qwen3-moe": _QWEN3_30B_A3B, "granite3.1": _GRANITE_3_1_2B,
              "olmo2": _OLMO_2_1B, "smollm3": _SMOLLM3_3B, "mistral-v0.1": _MISTRAL_7B_V0_1,
-             "qwen2.5-swa": _QWEN2_5_0_5B_SWA}
+             "qwen2.5-swa": _QWEN2_5_0_5B_SWA, "gemma3": _GEMMA_3_1B_IT}
 # No eos: greedy runs its NEW_TOKENS on both sides without an end-of-sequence rule to agree on.
-WINDOWED, WINDOW = ("mistral-v0.1", "qwen2.5-swa"), 8
+WINDOWED, WINDOW = ("mistral-v0.1", "qwen2.5-swa", "gemma3"), 8
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=None, pad_token_id=0)
 
@@ -158,6 +167,8 @@ def tiny_config(name: str) -> dict:
         cfg["shared_expert_intermediate_size"] = 96
     if "no_rope_layers" in published:  # one NoPE layer after three rotary ones, as published
         cfg["num_hidden_layers"] = 4
+    if "sliding_window_pattern" in published:  # a global layer after five sliding ones
+        cfg["num_hidden_layers"] = published["sliding_window_pattern"]
     for key in ("no_rope_layers", "layer_types"):  # per-layer lists: the first layers'
         if key in published:
             cfg[key] = published[key][:cfg["num_hidden_layers"]]

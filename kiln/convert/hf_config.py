@@ -61,7 +61,7 @@ from kiln.config import DTYPES, SUPPORTED_ARCHITECTURES, ConfigError, Mapping, M
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "smollm3": "SmolLM3ForCausalLM"}
+            "smollm3": "SmolLM3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 ARCH_FAMILY = {arch: family for family, arch in FAMILIES.items()}
 
@@ -94,6 +94,11 @@ DEFAULTS = {
     "smollm3": dict(_COMMON, rope_theta=2000000.0, tie_word_embeddings=True, num_key_value_heads=4,
                     max_position_embeddings=32768, attention_bias=False, mlp_bias=False, use_sliding_window=False,
                     sliding_window=None, no_rope_layers=None, no_rope_layer_interval=4),
+    "gemma3_text": dict(_COMMON, hidden_activation="gelu_pytorch_tanh", head_dim=256, num_key_value_heads=4,
+                        max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=1e6,
+                        attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+                        final_logit_softcapping=None, attn_logit_softcapping=None, rope_local_base_freq=10000.0,
+                        use_bidirectional_attention=False, sliding_window_pattern=6),
 }
 # The experts' count: the name transformers 4 reads first; transformers 5's attribute_map also takes
 # the second for Mixtral and Qwen3-MoE (num_experts -> num_local_experts).
@@ -131,6 +136,9 @@ MAPPED = {
     "olmo2": _MAPPED_ALL | {"attention_bias"},
     "smollm3": _MAPPED_ALL | {"attention_bias", "mlp_bias", "use_sliding_window", "sliding_window", "layer_types",
                               "no_rope_layers", "no_rope_layer_interval"},
+    "gemma3_text": _MAPPED_ALL | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
+                                  "layer_types", "sliding_window_pattern", "final_logit_softcapping",
+                                  "attn_logit_softcapping", "rope_local_base_freq", "use_bidirectional_attention"},
 }
 # Other families' math: refused unless absent or at the value that means "off".
 FOREIGN = {"attn_logit_softcapping": None, "final_logit_softcapping": None, "logits_scaling": 1.0,
@@ -170,7 +178,7 @@ IGNORED_BY_FAMILY = {"llama": set(), "mistral": set(), "qwen2": {"attention_bias
                      "qwen3_moe": _ROUTER_TRAINING | {"max_window_layers"},
                      "granite": set(), "olmo2": set(),
                      # SmolLM3-3B's config.json carries max_window_layers; HF's SmolLM3 does not read it
-                     "smollm3": {"max_window_layers"}}
+                     "smollm3": {"max_window_layers"}, "gemma3_text": set()}
 
 ROPE_TYPES = {  # rope type -> the keys it reads besides rope_type/type/rope_theta/partial_rotary_factor
     "default": set(),
@@ -249,9 +257,14 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         if key in defaults and get(key):
             raise ConfigError(f"{key}={hf[key]!r} is not supported for {arch} (expected false: Kiln "
                               f"models no bias on o_proj or the MLP)")
-    act = get("hidden_act")
-    if act not in ("silu", "swish"):
-        raise ConfigError(f"hidden_act {act!r} is not supported; expected 'silu'")
+    if family == "gemma3_text":
+        act = get("hidden_activation")
+        if act != "gelu_pytorch_tanh":
+            raise ConfigError(f"hidden_activation {act!r} is not supported; expected 'gelu_pytorch_tanh'")
+    elif get("hidden_act") not in ("silu", "swish"):
+        raise ConfigError(f"hidden_act {get('hidden_act')!r} is not supported; expected 'silu'")
+    else:
+        act = "silu"
 
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     kv_heads = get("num_key_value_heads")
@@ -261,6 +274,9 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
             raise ConfigError(f"head_dim null is not supported for {arch}; expected an integer")
         head_dim = hidden // heads
     max_pos = get("max_position_embeddings")
+    local_theta = None
+    if family == "gemma3_text":  # sliding layers rotate with a base of their own
+        hf, local_theta = _gemma3_local_rope(hf, get)
     theta, scaling = _rope(hf, max_pos, get("rope_theta"))
     window = _sliding_window(hf, family, get, max_pos)
     moe = _moe(hf, family, arch, get) if family in MOE_FAMILIES else {}
@@ -269,6 +285,8 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
                  else [])
     if family == "olmo2":  # norms on the blocks' outputs, and q/k norms over the whole projections
         extra.update(pre_norm=False, post_norm=True, qk_layernorm_scope="projection")
+    if family == "gemma3_text":
+        extra.update(_gemma3(hf, get, dtype or _default_dtype(hf)), rotary_base_local=local_theta)
     return PretrainedConfig(
         architecture=arch,
         dtype=dtype or _default_dtype(hf),
@@ -280,13 +298,13 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         head_size=head_dim,
         intermediate_size=hf["intermediate_size"],
         max_position_embeddings=max_pos,
-        hidden_act="silu",
+        hidden_act=act,
         norm_epsilon=float(get("rms_norm_eps")),
         rotary_base=theta,
         rotary_scaling=scaling,
         # Qwen2 always has q/k/v biases, Qwen2-MoE when qkv_bias says so (and neither on o_proj)
         attn_bias=family == "qwen2" or (family == "qwen2_moe" and bool(get("qkv_bias"))),
-        qk_layernorm=family in ("qwen3", "qwen3_moe", "olmo2"),
+        qk_layernorm=family in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
         tie_word_embeddings=bool(get("tie_word_embeddings")),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
@@ -295,6 +313,50 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         **extra,
         **window,
     )
+
+
+def _gemma3(hf: dict, get, dtype: str) -> dict:
+    """Gemma 3's sandwich norms (before and after attention and MLP) multiplying by 1 + weight, its
+    embedding scaled by sqrt(hidden_size) (rounded to the weights' dtype, as HF does), scores by
+    query_pre_attn_scalar ** -0.5, and the logits' soft cap."""
+    import torch
+
+    if get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention true is not supported; expected false (causal attention)")
+    if get("attn_logit_softcapping") is not None:
+        raise ConfigError(f"attn_logit_softcapping {get('attn_logit_softcapping')!r} is not supported; expected null")
+    cap = get("final_logit_softcapping")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+        raise ConfigError(f"final_logit_softcapping {cap!r} is not supported; expected null or a number > 0")
+    scalar = get("query_pre_attn_scalar")
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise ConfigError(f"query_pre_attn_scalar {scalar!r} is not supported; expected a number > 0")
+    embed = torch.tensor(hf["hidden_size"] ** 0.5).to(getattr(torch, dtype)).item()
+    return dict(pre_norm=True, post_norm=True, norm_weight_offset=1.0, embedding_multiplier=embed,
+                attention_multiplier=float(scalar) ** -0.5, final_logit_softcapping=None if cap is None else float(cap))
+
+
+def _gemma3_local_rope(hf: dict, get) -> tuple[dict, float]:
+    """(hf with the global layers' rope only, the sliding layers' base). transformers 4 writes
+    rope_local_base_freq beside the global rope_theta/rope_scaling; 5 keys rope_parameters by layer type."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "sliding_attention" in params:
+        local = params["sliding_attention"] or {}
+        if local.get("rope_type", local.get("type", "default")) != "default" or set(local) - {
+                "rope_type", "type", "rope_theta"}:
+            raise ConfigError(f"rope_parameters.sliding_attention {local} is not supported; expected the default "
+                              f"rope type with rope_theta only")
+        theta = local.get("rope_theta", DEFAULTS["gemma3_text"]["rope_local_base_freq"])
+        hf = {**hf, "rope_parameters": params.get("full_attention")}
+        top = hf.get("rope_local_base_freq")
+        if top is not None and float(top) != float(theta):
+            raise ConfigError(f"rope_local_base_freq {top} and rope_parameters.sliding_attention.rope_theta {theta} "
+                              f"disagree; expected one value")
+    else:
+        theta = get("rope_local_base_freq")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"rope_local_base_freq {theta!r} is not supported; expected a number > 0")
+    return hf, float(theta)
 
 
 def _granite(get) -> dict:
@@ -502,6 +564,12 @@ def _sliding_window(hf: dict, family: str, get, max_pos: int) -> dict:
         # every layer (its flash path on those from max_window_layers on): refuse any window at all.
         _check_qwen2_moe_layer_types(hf, get, n)
         sliding = list(range(n)) if get("use_sliding_window") and window is not None else []
+    elif family == "gemma3_text":  # the layers layer_types marks (absent: all but every sliding_window_pattern-th)
+        pattern = _integer("sliding_window_pattern", get("sliding_window_pattern"), 1)
+        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                          for i in range(n)]
+        _check_layer_types(types, n)
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"] if window is not None else []
     elif family == "smollm3":  # only with use_sliding_window, on the layers layer_types marks (NoPE ones if absent)
         on = bool(get("use_sliding_window")) and window is not None
         types = hf.get("layer_types") or ["sliding_attention" if on and not r else "full_attention"
@@ -516,7 +584,8 @@ def _sliding_window(hf: dict, family: str, get, max_pos: int) -> dict:
             for i in range(n)]
         _check_layer_types(types, n)
         sliding = [i for i, t in enumerate(types) if t == "sliding_attention"] if window is not None else []
-    if not sliding or window >= max_pos:
+    # Gemma 3 keeps it whatever its length: its sliding layers are also those with the local rope.
+    if not sliding or (window >= max_pos and family != "gemma3_text"):
         return {}
     if family == "qwen2_moe":
         raise ConfigError(

@@ -5,6 +5,8 @@ kiln/models/moe.py) on kiln plugins.
 One rank's model: it holds the layers of its pipeline stage and runs one engine step (DESIGN.md,
 "The engine step") over a flat, unpadded token batch that mixes prefill chunks and decode tokens.
 """
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,7 +57,8 @@ class LlamaLayer(nn.Module):
                 if optional:
                     return None
                 raise KeyError(f"missing tensor {key}")
-            return nn.Parameter(weights[key], requires_grad=False)
+            return nn.Parameter(norm_weight(config, weights[key]) if name.endswith("layernorm.weight")
+                                else weights[key], requires_grad=False)
 
         def linear(*names, bias=None):
             return make_linear(config, weights, [prefix + n for n in names], bias, packed)
@@ -79,10 +82,15 @@ class LlamaLayer(nn.Module):
             self.gate_up = linear("mlp.fc", "mlp.gate")
             self.proj = linear("mlp.proj")
 
-    def mlp(self, x, silu_and_mul):
+    def mlp(self, x, act_and_mul):
         if self.moe is not None:
-            return self.moe(x, silu_and_mul)
-        return self.proj(silu_and_mul(self.gate_up(x)))
+            return self.moe(x, act_and_mul)
+        return self.proj(act_and_mul(self.gate_up(x)))
+
+
+def norm_weight(config: PretrainedConfig, weight: torch.Tensor) -> torch.Tensor:
+    """What an RMSNorm multiplies by: its weight, or (Gemma) 1 + weight in float32, as HF computes it."""
+    return weight if not config.norm_weight_offset else weight.float() + config.norm_weight_offset
 
 
 class LlamaForCausalLM(nn.Module):
@@ -116,13 +124,20 @@ class LlamaForCausalLM(nn.Module):
         if self.is_last:
             self._init_head(weights, quantize_lm_head)
         self.register_buffer("inv_freq", rope.inv_freq(config), persistent=False)
+        # Gemma 3: sliding layers rotate with a base of their own, unscaled
+        self.local_rope = None if config.rotary_base_local is None else dataclasses.replace(
+            config, rotary_base=config.rotary_base_local, rotary_scaling=None)
+        self.register_buffer("inv_freq_local", None if self.local_rope is None else rope.inv_freq(self.local_rope),
+                             persistent=False)
+        # GeGLU (Gemma) is traced inline: the elementwise plugin has SwiGLU only
+        self.act_and_mul = cpu.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else self.ops.silu_and_mul
         # Static per-layer scales of an 8-bit KV cache: the pool holds round/cast(x / scale).
         self.register_buffer("kv_scales", torch.cat([
             weights[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"].float().reshape(1)
             for i in self.layer_ids]) if config.quantization.kv_cache_quant_algo else None)
 
     def _init_head(self, weights: dict, quantize_lm_head: str) -> None:
-        self.ln_f = nn.Parameter(weights["transformer.ln_f.weight"], requires_grad=False)
+        self.ln_f = nn.Parameter(norm_weight(self.config, weights["transformer.ln_f.weight"]), requires_grad=False)
         lm_head = weights["lm_head.weight"]
         tied = (self.config.tie_word_embeddings and self.vocab_embedding is not None
                 and torch.equal(lm_head, self.vocab_embedding))
@@ -153,6 +168,8 @@ class LlamaForCausalLM(nn.Module):
         if (self.config.rotary_scaling or {}).get("type") == "dynamic":
             rope_lens = _rope_lens(positions, ctx_token_index, ctx_context_lens)
         cos, sin = rope.cos_sin(self.config, self.inv_freq, positions, rope_lens)
+        if self.local_rope is not None:
+            cos_local, sin_local = rope.cos_sin(self.local_rope, self.inv_freq_local, positions)
 
         hidden = self._embed(input_ids) if self.is_first else hidden_states
         if self.is_first and self.config.embedding_multiplier != 1:
@@ -170,7 +187,9 @@ class LlamaForCausalLM(nn.Module):
             if layer.q_layernorm is not None and self.config.qk_layernorm_scope == "head":
                 q = o.rms_norm(q, layer.q_layernorm, self.eps)
                 k = o.rms_norm(k, layer.k_layernorm, self.eps)
-            if layer.rotary:
+            if layer.rotary and layer.window and self.local_rope is not None:
+                q, k = o.rotary_embedding(q, k, cos_local, sin_local)
+            elif layer.rotary:
                 q, k = o.rotary_embedding(q, k, cos, sin)
             o.kv_cache_write(kv_cache, i, k, v, slot_mapping, kv_scale)
             attn = o.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
@@ -179,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
                                        **({"window": layer.window} if layer.window else {}))
             hidden = self._block_output(layer.dense(attn.reshape(T, H * D)), layer.post_attention_layernorm)
             x, residual = self._block_input(hidden, residual, layer.post_layernorm)
-            hidden = self._block_output(layer.mlp(x, o.silu_and_mul), layer.post_feedforward_layernorm)
+            hidden = self._block_output(layer.mlp(x, self.act_and_mul), layer.post_feedforward_layernorm)
 
         if not self.is_last:  # the next stage starts from the residual stream, as a layer would
             return hidden + residual
@@ -192,6 +211,9 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.lm_head).float()
         if self.config.logits_scaling != 1:
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return self.tp.gather_logits(logits)[:, : self.config.vocab_size]
 
     def _block_input(self, hidden, residual, norm):

@@ -30,6 +30,11 @@ def silu_and_mul(x):
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def kv_cache_write(kv_cache, layer, k, v, slot_mapping, kv_scale=None):
     # One index_put_ on the pool itself: a write through a view of it compiles to a copy of the
     # whole pool every step (DESIGN.md, constraint 3).

@@ -19,7 +19,8 @@ from kiln.models import rope
 
 CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
            "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
-           "granite": "GraniteConfig", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config"}
+           "granite": "GraniteConfig", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config",
+           "gemma3_text": "Gemma3TextConfig"}
 # 32 heads: HF's default num_key_value_heads (32 for Qwen, 8 for Mistral) must divide them.
 SIZES = dict(vocab_size=128, hidden_size=1024, num_hidden_layers=2, num_attention_heads=32, intermediate_size=512)
 MAJOR = int(transformers.__version__.split(".")[0])
@@ -71,17 +72,30 @@ def test_absent_keys_take_hfs_defaults(family):
     minimal = {"architectures": [FAMILIES[family]], "model_type": family, **SIZES}
     hf = getattr(transformers, CLASSES[family])(**SIZES)
     ours = pretrained_config_from_hf(minimal)
-    # HF's Mistral slides a 4096 window over its 131072 positions by default; the others none
-    assert (ours.sliding_window, ours.sliding_window_layers) == ((4096, None) if family == "mistral" else (None, None))
-    theta = hf.rope_parameters["rope_theta"] if MAJOR >= 5 else hf.rope_theta
+    # HF's Mistral slides a 4096 window over its 131072 positions by default; Gemma 3 on most layers (below)
+    if family != "gemma3_text":
+        assert (ours.sliding_window, ours.sliding_window_layers) == ((4096, None) if family == "mistral" else (None, None))
+    rope = hf.rope_parameters.get("full_attention", hf.rope_parameters) if MAJOR >= 5 else None  # Gemma 3: by layer type
+    theta = rope["rope_theta"] if MAJOR >= 5 else hf.rope_theta
     assert (ours.num_key_value_heads, ours.head_size, ours.norm_epsilon, ours.rotary_base, ours.rotary_scaling,
             ours.tie_word_embeddings, ours.max_position_embeddings, ours.hidden_act) == (
         hf.num_key_value_heads, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        hf.rms_norm_eps, theta, None, hf.tie_word_embeddings, hf.max_position_embeddings, hf.hidden_act)
+        hf.rms_norm_eps, theta, None, hf.tie_word_embeddings, hf.max_position_embeddings,
+        getattr(hf, "hidden_act", None) or hf.hidden_activation)
     assert ours.attn_bias == (family == "qwen2" or bool(getattr(hf, "qkv_bias", False)))
-    assert ours.qk_layernorm == (family in ("qwen3", "qwen3_moe", "olmo2"))
+    assert ours.qk_layernorm == (family in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"))
     assert (ours.pre_norm, ours.post_norm, ours.qk_layernorm_scope) == (
-        (False, True, "projection") if family == "olmo2" else (True, False, "head"))
+        (False, True, "projection") if family == "olmo2" else (True, family == "gemma3_text", "head"))
+    if family == "gemma3_text":  # local rope on the sliding layers, all but every sixth
+        assert ours.hidden_act == hf.hidden_activation == "gelu_pytorch_tanh"
+        assert (ours.norm_weight_offset, ours.attention_multiplier, ours.sliding_window) == (
+            1.0, hf.query_pre_attn_scalar ** -0.5, hf.sliding_window)
+        local = hf.rope_parameters["sliding_attention"]["rope_theta"] if MAJOR >= 5 else hf.rope_local_base_freq
+        assert ours.rotary_base_local == local
+        assert [ours.window_of(i) for i in range(SIZES["num_hidden_layers"])] == [
+            hf.sliding_window if t == "sliding_attention" else 0 for t in hf.layer_types]
+        assert ours.embedding_multiplier == pytest.approx(hf.hidden_size ** 0.5, rel=1e-7)
+        return
     granite = (hf.embedding_multiplier, hf.residual_multiplier, hf.attention_multiplier, hf.logits_scaling) \
         if family == "granite" else (1.0, 1.0, None, 1.0)  # Granite's default attention multiplier is 1, not 1/sqrt(d)
     assert (ours.embedding_multiplier, ours.residual_multiplier, ours.attention_multiplier,
@@ -284,6 +298,11 @@ REFUSED = [
      "layer_types marks layer(s) 1 'sliding_attention' but use_sliding_window is false"),
     ("qwen2_moe", _set(layer_types=["full_attention"]), "layer_types ['full_attention'] is not supported; expected 2 "
      "entries"),
+    ("gemma3_text", _set(attn_logit_softcapping=50.0), "attn_logit_softcapping 50.0 is not supported; expected null"),
+    ("gemma3_text", _set(use_bidirectional_attention=True), "use_bidirectional_attention true is not supported"),
+    ("gemma3_text", _set(hidden_activation="gelu"), "hidden_activation 'gelu' is not supported; expected "
+     "'gelu_pytorch_tanh'"),
+    ("gemma3_text", _set(final_logit_softcapping=-1.0), "final_logit_softcapping -1.0 is not supported"),
     ("granite", _set(logits_scaling=0), "logits_scaling 0 is not supported; expected a finite number other than 0"),
     ("granite", _set(attention_multiplier="0.1"), "attention_multiplier '0.1' is not supported; expected a finite "
      "number"),

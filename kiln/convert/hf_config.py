@@ -26,6 +26,7 @@ Keys read (for the families in FAMILIES; "refused" names the values that are):
 | mlp_bias (Llama, Granite, SmolLM3) | | true |
 | embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling (Granite) | the same names: the embedding and each block's output multiplied, the attention scores scaled by attention_multiplier (HF's default 1.0, not head_dim ** -0.5), the logits divided | values that are not finite numbers, logits_scaling 0 |
 | (OLMo 2's architecture) | pre_norm false, post_norm true (RMSNorm on each block's output before the residual add), qk_layernorm over the whole q and k projections | |
+| hidden_activation, query_pre_attn_scalar, rope_local_base_freq, sliding_window_pattern, final_logit_softcapping, use_bidirectional_attention (Gemma 3 text) | GeGLU (gelu_pytorch_tanh); attention_multiplier = query_pre_attn_scalar ** -0.5; rotary_base_local for the sliding layers (transformers 5: rope_parameters.sliding_attention); sliding layers all but every sliding_window_pattern-th when layer_types is absent; final_logit_softcapping; RMSNorms by 1 + weight, the embedding by sqrt(hidden_size), sandwich norms | another activation, bidirectional attention, attn_logit_softcapping, a local rope that is not the default type |
 | no_rope_layers, no_rope_layer_interval (SmolLM3) | nope_layers: the layers whose no_rope_layers entry is 0 attend without rotary embedding (absent: every no_rope_layer_interval-th) | a list that is not one 0 or 1 per layer |
 | sliding_window (Mistral, Mixtral: every layer); use_sliding_window, max_window_layers, layer_types (Qwen2/Qwen3: the layers layer_types marks, else those from max_window_layers on); use_sliding_window (Qwen3-MoE: every layer); use_sliding_window, layer_types (SmolLM3: absent, its NoPE layers slide); Qwen2-MoE's | sliding_window, sliding_window_layers (null: every layer); none where the window is at least max_position_embeddings | Qwen2-MoE with a window shorter than max_position_embeddings (transformers 4 slides every layer, 5 the layer_types ones); layer_types marking a layer sliding without use_sliding_window (transformers 5 then slides a window of 0) |
 | num_local_experts (Mixtral), num_experts (Qwen2-MoE, Qwen3-MoE); transformers 5 maps num_experts onto num_local_experts for Mixtral and Qwen3-MoE, so either name is read there | moe.num_experts | fewer than 1; both names present and different |
@@ -43,8 +44,8 @@ IGNORED lists the keys that do not change the forward pass at inference (dropout
 generation defaults, output switches, bookkeeping; for the MoE families router_aux_loss_coef,
 output_router_logits and Mixtral's router_jitter_noise, which act only in training);
 tests/test_hf_config.py walks every field of the installed transformers' LlamaConfig, MistralConfig,
-Qwen2Config, Qwen3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, GraniteConfig, Olmo2Config and
-SmolLM3Config and fails on one that
+Qwen2Config, Qwen3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, GraniteConfig, Olmo2Config,
+SmolLM3Config and Gemma3TextConfig and fails on one that
 is in neither table, so a field added by a new transformers release is a failing test, not a wrong
 answer. Other keys a config.json carries (auto_map, unsloth_version ...) are not read by these
 models in HF either, and are ignored.
@@ -178,7 +179,9 @@ IGNORED_BY_FAMILY = {"llama": set(), "mistral": set(), "qwen2": {"attention_bias
                      "qwen3_moe": _ROUTER_TRAINING | {"max_window_layers"},
                      "granite": set(), "olmo2": set(),
                      # SmolLM3-3B's config.json carries max_window_layers; HF's SmolLM3 does not read it
-                     "smollm3": {"max_window_layers"}, "gemma3_text": set()}
+                     "smollm3": {"max_window_layers"},
+                     # the pattern kept from sliding_window_pattern: layer_types, written beside it, is read
+                     "gemma3_text": {"_sliding_window_pattern"}}
 
 ROPE_TYPES = {  # rope type -> the keys it reads besides rope_type/type/rope_theta/partial_rotary_factor
     "default": set(),

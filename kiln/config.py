@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "SmolLM3ForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
 )
 # The MLP's gate activation: SwiGLU, or GeGLU with the tanh approximation (Gemma).
@@ -159,12 +160,13 @@ class PretrainedConfig:
     # sliding_window keys up to its query (None: no window anywhere).
     sliding_window: int | None = None
     sliding_window_layers: list[int] | None = None
-    # Gemma: sliding layers rotate with their own base (no scaling; None: the global rotary_base and
-    # rotary_scaling everywhere); RMSNorms multiply by norm_weight_offset + weight, in float32; the
-    # logits pass through tanh(logits / cap) * cap (None: not capped).
+    # Gemma: sliding layers rotate with their own base (Gemma 3; no scaling; None: the global
+    # rotary_base and rotary_scaling everywhere); RMSNorms multiply by norm_weight_offset + weight, in
+    # float32; the logits pass through tanh(logits / cap) * cap (None: not capped).
     rotary_base_local: float | None = None
     norm_weight_offset: float = 0.0
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: every score through tanh(s / cap) * cap
     # Granite's scalars: the embedding's output, each block's output before its residual add and the
     # attention scores (None: head_size ** -0.5) are multiplied, the logits divided.
     embedding_multiplier: float = 1.0

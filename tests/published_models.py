@@ -26,7 +26,7 @@ PROMPT_LENGTHS = (3, 8, 13, 21, 34)
 STD = 0.15
 # Granite multiplies the embedding by 12 and each block's output by 0.22: at 0.15 the stream is nearly
 # the embedding alone and every prompt repeats one token.
-STD_OF = {"granite3.1": 1.0}
+STD_OF = {"granite3.1": 1.0, "gemma2": 0.05}  # Gemma 2's scores (no q/k norm) flatten at 0.15: one token repeats
 
 _LLAMA_3_2_1B = {  # meta-llama/Llama-3.2-1B
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
@@ -70,6 +70,15 @@ _QWEN2_5_7B_INSTRUCT_YARN = {  # Qwen/Qwen2.5-7B-Instruct, with the rope_scaling
     "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
 
+_GEMMA_2_2B = {  # google/gemma-2-2b: alternating sliding and global layers, soft-capped scores and logits
+    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+    "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "initializer_range": 0.02,
+    "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8,
+    "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
+    "transformers_version": "4.42.4", "use_cache": True, "vocab_size": 256000}
 _GEMMA_3_1B_IT = {  # google/gemma-3-1b-it: five sliding (local rope) layers per global one, GeGLU, sandwich norms
     "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
@@ -149,9 +158,9 @@ PUBLISHED = {"llama3.2": _LLAMA_3_2_1B, "qwen2.5": _QWEN2_5_0_5B, "qwen3": _QWEN
              "mistral": _MISTRAL_7B_V0_3, "qwen2.5-yarn": _QWEN2_5_7B_INSTRUCT_YARN, "mixtral": _MIXTRAL_8X7B,
              "qwen1.5-moe": _QWEN1_5_MOE_A2_7B, "qwen3-moe": _QWEN3_30B_A3B, "granite3.1": _GRANITE_3_1_2B,
              "olmo2": _OLMO_2_1B, "smollm3": _SMOLLM3_3B, "mistral-v0.1": _MISTRAL_7B_V0_1,
-             "qwen2.5-swa": _QWEN2_5_0_5B_SWA, "gemma3": _GEMMA_3_1B_IT}
+             "qwen2.5-swa": _QWEN2_5_0_5B_SWA, "gemma2": _GEMMA_2_2B, "gemma3": _GEMMA_3_1B_IT}
 # No eos: greedy runs its NEW_TOKENS on both sides without an end-of-sequence rule to agree on.
-WINDOWED, WINDOW = ("mistral-v0.1", "qwen2.5-swa", "gemma3"), 8
+WINDOWED, WINDOW = ("mistral-v0.1", "qwen2.5-swa", "gemma2", "gemma3"), 8
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=None, pad_token_id=0)
 
@@ -207,7 +216,9 @@ def hf_greedy(model_dir: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
     logits that chose them."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Gemma 2's soft-capped scores: HF's eager attention (transformers 5's SDPA path drops the cap)
+    eager = {"attn_implementation": "eager"} if model_dir.name == "gemma2" else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **eager).eval()
     batch = prompts()
     width = max(map(len, batch))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])

@@ -20,7 +20,7 @@ from kiln.models import rope
 CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
            "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
            "granite": "GraniteConfig", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config",
-           "gemma3_text": "Gemma3TextConfig"}
+           "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
 # 32 heads: HF's default num_key_value_heads (32 for Qwen, 8 for Mistral) must divide them.
 SIZES = dict(vocab_size=128, hidden_size=1024, num_hidden_layers=2, num_attention_heads=32, intermediate_size=512)
 MAJOR = int(transformers.__version__.split(".")[0])
@@ -73,7 +73,7 @@ def test_absent_keys_take_hfs_defaults(family):
     hf = getattr(transformers, CLASSES[family])(**SIZES)
     ours = pretrained_config_from_hf(minimal)
     # HF's Mistral slides a 4096 window over its 131072 positions by default; Gemma 3 on most layers (below)
-    if family != "gemma3_text":
+    if family not in ("gemma2", "gemma3_text"):
         assert (ours.sliding_window, ours.sliding_window_layers) == ((4096, None) if family == "mistral" else (None, None))
     rope = hf.rope_parameters.get("full_attention", hf.rope_parameters) if MAJOR >= 5 else None  # Gemma 3: by layer type
     theta = rope["rope_theta"] if MAJOR >= 5 else hf.rope_theta
@@ -84,13 +84,16 @@ def test_absent_keys_take_hfs_defaults(family):
         getattr(hf, "hidden_act", None) or hf.hidden_activation)
     assert ours.attn_bias == (family == "qwen2" or bool(getattr(hf, "qkv_bias", False)))
     assert ours.qk_layernorm == (family in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"))
+    gemma = family in ("gemma2", "gemma3_text")
     assert (ours.pre_norm, ours.post_norm, ours.qk_layernorm_scope) == (
-        (False, True, "projection") if family == "olmo2" else (True, family == "gemma3_text", "head"))
-    if family == "gemma3_text":  # local rope on the sliding layers, all but every sixth
+        (False, True, "projection") if family == "olmo2" else (True, gemma, "head"))
+    if gemma:  # Gemma 3: a local rope on the sliding layers, all but every sixth; Gemma 2: every other one
         assert ours.hidden_act == hf.hidden_activation == "gelu_pytorch_tanh"
-        assert (ours.norm_weight_offset, ours.attention_multiplier, ours.sliding_window) == (
-            1.0, hf.query_pre_attn_scalar ** -0.5, hf.sliding_window)
-        local = hf.rope_parameters["sliding_attention"]["rope_theta"] if MAJOR >= 5 else hf.rope_local_base_freq
+        assert (ours.norm_weight_offset, ours.attention_multiplier, ours.sliding_window, ours.final_logit_softcapping,
+                ours.attn_logit_softcapping) == (1.0, hf.query_pre_attn_scalar ** -0.5, hf.sliding_window,
+                                                 hf.final_logit_softcapping, hf.attn_logit_softcapping)
+        local = None if family == "gemma2" else hf.rope_parameters["sliding_attention"]["rope_theta"] \
+            if MAJOR >= 5 else hf.rope_local_base_freq
         assert ours.rotary_base_local == local
         assert [ours.window_of(i) for i in range(SIZES["num_hidden_layers"])] == [
             hf.sliding_window if t == "sliding_attention" else 0 for t in hf.layer_types]
@@ -298,7 +301,8 @@ REFUSED = [
      "layer_types marks layer(s) 1 'sliding_attention' but use_sliding_window is false"),
     ("qwen2_moe", _set(layer_types=["full_attention"]), "layer_types ['full_attention'] is not supported; expected 2 "
      "entries"),
-    ("gemma3_text", _set(attn_logit_softcapping=50.0), "attn_logit_softcapping 50.0 is not supported; expected null"),
+    ("gemma2", _set(attn_logit_softcapping=-50.0), "attn_logit_softcapping -50.0 is not supported; expected null or "
+     "a number > 0"),
     ("gemma3_text", _set(use_bidirectional_attention=True), "use_bidirectional_attention true is not supported"),
     ("gemma3_text", _set(hidden_activation="gelu"), "hidden_activation 'gelu' is not supported; expected "
      "'gelu_pytorch_tanh'"),

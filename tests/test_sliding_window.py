@@ -1,5 +1,6 @@
 """Sliding-window attention: the paged-attention plugins (C++ and inline) against the reference with a
-window, pages wholly before every query's window never read; and engines of models that slide."""
+window, pages wholly before every query's window never read; and engines of models that slide. Also
+the scores' soft cap (Gemma 2), with and without a window."""
 import zlib
 
 import pytest
@@ -75,6 +76,19 @@ def test_cpp_op_slides_over_8bit_pages(kv_dtype):
     torch.testing.assert_close(got, expected, **F32_TOL)
 
 
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_scores(window, dtype):
+    inputs = _step("mixed", 16, "gqa3", 40)
+    inputs["q"] = inputs["q"] * 4  # scores well past the cap of 5, where tanh bends them
+    args = _args(dict(inputs, q=inputs["q"].to(dtype), kv_cache=inputs["kv_cache"].to(dtype)))
+    want = reference.paged_attention(args[0].float(), args[1].float(), *args[2:], window=window, softcap=5.0)
+    assert (want - reference.paged_attention(args[0].float(), args[1].float(), *args[2:], window=window)).abs().max() > 0.1
+    tol = F32_TOL if dtype == torch.float32 else BF16_TOL
+    for op in (cpp.paged_attention_op(), cpu.paged_attention):
+        torch.testing.assert_close(op(*args, window=window, softcap=5.0).float(), want, **tol)
+
+
 @pytest.mark.parametrize("window", [7, 40])
 def test_inline_attention_slides(window):
     inputs = _step("mixed", 16, "gqa8", window)
@@ -137,3 +151,22 @@ def test_sliding_model_matches_hf_far_past_its_window_holding_few_blocks(engine,
         assert pool.num_free == pool.num_blocks
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aoti"])
+def test_soft_capped_gemma2_matches_hf_logits(engine, hf_model, backend):
+    """Soft caps that bend (scores at 2, logits at 3) where HF's eager attention applies them."""
+    import transformers
+
+    from kiln.engine.loader import RankEngine
+    from test_e2e import engine_logits
+
+    model_dir = hf_model("gemma2_capped")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    ids = [[5, 17, 33, 80, 120, 7, 9, 44, 61, 3, 250, 31, 8, 77, 19, 200, 42, 11, 90, 6]]  # past the 12-key window
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits[0]
+    assert want.abs().max() <= 3.0 and want.abs().max() > 2.0  # the final cap bites
+    got = engine_logits(RankEngine(engine("gemma2_capped", backend)), ids)[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -70,6 +70,10 @@ VARIANTS = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
         logits_scaling=8.0)),
+    # soft caps low enough to bend the scores and logits of random weights; alternating sliding layers
+    "gemma2_capped": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=12, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, attn_implementation="eager")),
     # norms on the blocks' outputs, q/k norms over the whole projections
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
 }

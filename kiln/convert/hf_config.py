@@ -26,7 +26,7 @@ Keys read (for the families in FAMILIES; "refused" names the values that are):
 | mlp_bias (Llama, Granite, SmolLM3) | | true |
 | embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling (Granite) | the same names: the embedding and each block's output multiplied, the attention scores scaled by attention_multiplier (HF's default 1.0, not head_dim ** -0.5), the logits divided | values that are not finite numbers, logits_scaling 0 |
 | (OLMo 2's architecture) | pre_norm false, post_norm true (RMSNorm on each block's output before the residual add), qk_layernorm over the whole q and k projections | |
-| hidden_activation, query_pre_attn_scalar, rope_local_base_freq, sliding_window_pattern, final_logit_softcapping, use_bidirectional_attention (Gemma 3 text) | GeGLU (gelu_pytorch_tanh); attention_multiplier = query_pre_attn_scalar ** -0.5; rotary_base_local for the sliding layers (transformers 5: rope_parameters.sliding_attention); sliding layers all but every sliding_window_pattern-th when layer_types is absent; final_logit_softcapping; RMSNorms by 1 + weight, the embedding by sqrt(hidden_size), sandwich norms | another activation, bidirectional attention, attn_logit_softcapping, a local rope that is not the default type |
+| hidden_activation, query_pre_attn_scalar, final_logit_softcapping, attn_logit_softcapping, use_bidirectional_attention (Gemma 2, Gemma 3 text); rope_local_base_freq, sliding_window_pattern (Gemma 3) | GeGLU (gelu_pytorch_tanh); attention_multiplier = query_pre_attn_scalar ** -0.5; the soft caps; RMSNorms by 1 + weight, the embedding by sqrt(hidden_size), sandwich norms; sliding layers every other one (Gemma 2) or all but every sliding_window_pattern-th (Gemma 3) when layer_types is absent; rotary_base_local for Gemma 3's sliding layers (transformers 5: rope_parameters.sliding_attention) | another activation, bidirectional attention, caps that are not positive numbers, a local rope that is not the default type |
 | no_rope_layers, no_rope_layer_interval (SmolLM3) | nope_layers: the layers whose no_rope_layers entry is 0 attend without rotary embedding (absent: every no_rope_layer_interval-th) | a list that is not one 0 or 1 per layer |
 | sliding_window (Mistral, Mixtral: every layer); use_sliding_window, max_window_layers, layer_types (Qwen2/Qwen3: the layers layer_types marks, else those from max_window_layers on); use_sliding_window (Qwen3-MoE: every layer); use_sliding_window, layer_types (SmolLM3: absent, its NoPE layers slide); Qwen2-MoE's | sliding_window, sliding_window_layers (null: every layer); none where the window is at least max_position_embeddings | Qwen2-MoE with a window shorter than max_position_embeddings (transformers 4 slides every layer, 5 the layer_types ones); layer_types marking a layer sliding without use_sliding_window (transformers 5 then slides a window of 0) |
 | num_local_experts (Mixtral), num_experts (Qwen2-MoE, Qwen3-MoE); transformers 5 maps num_experts onto num_local_experts for Mixtral and Qwen3-MoE, so either name is read there | moe.num_experts | fewer than 1; both names present and different |
@@ -45,7 +45,7 @@ generation defaults, output switches, bookkeeping; for the MoE families router_a
 output_router_logits and Mixtral's router_jitter_noise, which act only in training);
 tests/test_hf_config.py walks every field of the installed transformers' LlamaConfig, MistralConfig,
 Qwen2Config, Qwen3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, GraniteConfig, Olmo2Config,
-SmolLM3Config and Gemma3TextConfig and fails on one that
+SmolLM3Config, Gemma2Config and Gemma3TextConfig and fails on one that
 is in neither table, so a field added by a new transformers release is a failing test, not a wrong
 answer. Other keys a config.json carries (auto_map, unsloth_version ...) are not read by these
 models in HF either, and are ignored.
@@ -62,7 +62,8 @@ from kiln.config import DTYPES, SUPPORTED_ARCHITECTURES, ConfigError, Mapping, M
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "smollm3": "SmolLM3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+            "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+GEMMA = ("gemma2", "gemma3_text")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 ARCH_FAMILY = {arch: family for family, arch in FAMILIES.items()}
 
@@ -95,6 +96,10 @@ DEFAULTS = {
     "smollm3": dict(_COMMON, rope_theta=2000000.0, tie_word_embeddings=True, num_key_value_heads=4,
                     max_position_embeddings=32768, attention_bias=False, mlp_bias=False, use_sliding_window=False,
                     sliding_window=None, no_rope_layers=None, no_rope_layer_interval=4),
+    "gemma2": dict(_COMMON, hidden_activation="gelu_pytorch_tanh", head_dim=256, num_key_value_heads=4,
+                   max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
+                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0, use_bidirectional_attention=False),
     "gemma3_text": dict(_COMMON, hidden_activation="gelu_pytorch_tanh", head_dim=256, num_key_value_heads=4,
                         max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=1e6,
                         attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
@@ -137,6 +142,9 @@ MAPPED = {
     "olmo2": _MAPPED_ALL | {"attention_bias"},
     "smollm3": _MAPPED_ALL | {"attention_bias", "mlp_bias", "use_sliding_window", "sliding_window", "layer_types",
                               "no_rope_layers", "no_rope_layer_interval"},
+    "gemma2": _MAPPED_ALL | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
+                             "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
+                             "use_bidirectional_attention"},
     "gemma3_text": _MAPPED_ALL | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
                                   "layer_types", "sliding_window_pattern", "final_logit_softcapping",
                                   "attn_logit_softcapping", "rope_local_base_freq", "use_bidirectional_attention"},
@@ -181,7 +189,7 @@ IGNORED_BY_FAMILY = {"llama": set(), "mistral": set(), "qwen2": {"attention_bias
                      # SmolLM3-3B's config.json carries max_window_layers; HF's SmolLM3 does not read it
                      "smollm3": {"max_window_layers"},
                      # the pattern kept from sliding_window_pattern: layer_types, written beside it, is read
-                     "gemma3_text": {"_sliding_window_pattern"}}
+                     "gemma3_text": {"_sliding_window_pattern"}, "gemma2": set()}
 
 ROPE_TYPES = {  # rope type -> the keys it reads besides rope_type/type/rope_theta/partial_rotary_factor
     "default": set(),
@@ -260,7 +268,7 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         if key in defaults and get(key):
             raise ConfigError(f"{key}={hf[key]!r} is not supported for {arch} (expected false: Kiln "
                               f"models no bias on o_proj or the MLP)")
-    if family == "gemma3_text":
+    if family in GEMMA:  # hidden_act, which Gemma-2 configs also carry, is not what HF builds the MLP from
         act = get("hidden_activation")
         if act != "gelu_pytorch_tanh":
             raise ConfigError(f"hidden_activation {act!r} is not supported; expected 'gelu_pytorch_tanh'")
@@ -288,8 +296,8 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
                  else [])
     if family == "olmo2":  # norms on the blocks' outputs, and q/k norms over the whole projections
         extra.update(pre_norm=False, post_norm=True, qk_layernorm_scope="projection")
-    if family == "gemma3_text":
-        extra.update(_gemma3(hf, get, dtype or _default_dtype(hf)), rotary_base_local=local_theta)
+    if family in GEMMA:
+        extra.update(_gemma(hf, family, get, dtype or _default_dtype(hf)), rotary_base_local=local_theta)
     return PretrainedConfig(
         architecture=arch,
         dtype=dtype or _default_dtype(hf),
@@ -318,25 +326,26 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
     )
 
 
-def _gemma3(hf: dict, get, dtype: str) -> dict:
-    """Gemma 3's sandwich norms (before and after attention and MLP) multiplying by 1 + weight, its
-    embedding scaled by sqrt(hidden_size) (rounded to the weights' dtype, as HF does), scores by
-    query_pre_attn_scalar ** -0.5, and the logits' soft cap."""
+def _gemma(hf: dict, family: str, get, dtype: str) -> dict:
+    """Gemma 2 and 3's sandwich norms (before and after attention and MLP) multiplying by 1 + weight,
+    the embedding scaled by sqrt(hidden_size) (rounded to the weights' dtype, as HF does), scores by
+    query_pre_attn_scalar ** -0.5, and the soft caps: of the logits, and (Gemma 2) of the scores."""
     import torch
 
     if get("use_bidirectional_attention"):
         raise ConfigError("use_bidirectional_attention true is not supported; expected false (causal attention)")
-    if get("attn_logit_softcapping") is not None:
-        raise ConfigError(f"attn_logit_softcapping {get('attn_logit_softcapping')!r} is not supported; expected null")
-    cap = get("final_logit_softcapping")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
-        raise ConfigError(f"final_logit_softcapping {cap!r} is not supported; expected null or a number > 0")
+    caps = {}
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        cap = caps[key] = get(key)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+            raise ConfigError(f"{key} {cap!r} is not supported; expected null or a number > 0")
+        caps[key] = None if cap is None else float(cap)
     scalar = get("query_pre_attn_scalar")
     if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
         raise ConfigError(f"query_pre_attn_scalar {scalar!r} is not supported; expected a number > 0")
     embed = torch.tensor(hf["hidden_size"] ** 0.5).to(getattr(torch, dtype)).item()
     return dict(pre_norm=True, post_norm=True, norm_weight_offset=1.0, embedding_multiplier=embed,
-                attention_multiplier=float(scalar) ** -0.5, final_logit_softcapping=None if cap is None else float(cap))
+                attention_multiplier=float(scalar) ** -0.5, **caps)
 
 
 def _gemma3_local_rope(hf: dict, get) -> tuple[dict, float]:
@@ -567,8 +576,9 @@ def _sliding_window(hf: dict, family: str, get, max_pos: int) -> dict:
         # every layer (its flash path on those from max_window_layers on): refuse any window at all.
         _check_qwen2_moe_layer_types(hf, get, n)
         sliding = list(range(n)) if get("use_sliding_window") and window is not None else []
-    elif family == "gemma3_text":  # the layers layer_types marks (absent: all but every sliding_window_pattern-th)
-        pattern = _integer("sliding_window_pattern", get("sliding_window_pattern"), 1)
+    elif family in GEMMA:  # the layers layer_types marks (absent: all but every sliding_window_pattern-th)
+        pattern = _integer("sliding_window_pattern", get("sliding_window_pattern"), 1) if family == "gemma3_text" \
+            else 2  # Gemma 2 alternates
         types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                           for i in range(n)]
         _check_layer_types(types, n)

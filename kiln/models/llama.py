@@ -171,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
         if self.local_rope is not None:
             cos_local, sin_local = rope.cos_sin(self.local_rope, self.inv_freq_local, positions)
 
+        softcap = self.config.attn_logit_softcapping
         hidden = self._embed(input_ids) if self.is_first else hidden_states
         if self.is_first and self.config.embedding_multiplier != 1:
             hidden = hidden * self.config.embedding_multiplier
@@ -195,7 +196,8 @@ class LlamaForCausalLM(nn.Module):
             attn = o.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
                                        gen_token_index, gen_block_tables, gen_context_lens, self.scale,
                                        *(() if kv_scale is None else (kv_scale,)),
-                                       **({"window": layer.window} if layer.window else {}))
+                                       **({"window": layer.window} if layer.window else {}),
+                                       **({"softcap": softcap} if softcap else {}))
             hidden = self._block_output(layer.dense(attn.reshape(T, H * D)), layer.post_attention_layernorm)
             x, residual = self._block_input(hidden, residual, layer.post_layernorm)
             hidden = self._block_output(layer.mlp(x, self.act_and_mul), layer.post_feedforward_layernorm)

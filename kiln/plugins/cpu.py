@@ -52,11 +52,24 @@ def _gather_kv(kv_cache, layer, block_tables, dtype, kv_scale=None):
     return kv[0], kv[1]
 
 
+def _sdpa(q, k, v, mask, scale, softcap):
+    """q [S, H, Q, D], k/v [S, KH, K, D], mask [S, 1, Q, K] (True: attend). SDPA has no soft cap:
+    with one, the scores are written out."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh((q.float() @ k.float().transpose(-1, -2)) * (scale / softcap)) * softcap
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.float()).to(q.dtype)
+
+
 def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_context_lens,
-                    gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale=None, window=0):
+                    gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale=None, window=0,
+                    softcap=0.0):
     """Traceable: sizes come only from input shapes, and both phases always run (either may be
     empty), so the graph compiler can take it whole instead of calling back into Python. window: the
-    layer's sliding window (0: none), a query at p seeing keys p - window < key <= p."""
+    layer's sliding window (0: none), a query at p seeing keys p - window < key <= p; softcap: scores
+    soft-capped, tanh(s / softcap) * softcap (0: none)."""
     T = q.shape[0]
     out = q.new_zeros(T + 1, *q.shape[1:])  # row T takes the context phase's padding
     # Context phase: [Sc, H, Qmax, D] queries, causal from each chunk's offset in its sequence.
@@ -69,7 +82,7 @@ def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_c
     mask = keys <= query_pos[:, :, None]  # [Sc, Qmax, K]
     if window:
         mask &= keys > query_pos[:, :, None] - window
-    o = F.scaled_dot_product_attention(q_ctx, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    o = _sdpa(q_ctx, k, v, mask[:, None], scale, softcap)
     dest = torch.where(valid, ctx_token_index, T).flatten()
     out.index_put_((dest,), o.transpose(1, 2).flatten(0, 1))
     # Generation phase: one query per sequence, never padded to the context phase's Qmax.
@@ -78,7 +91,6 @@ def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_c
     mask = keys < gen_context_lens[:, None]
     if window:
         mask &= keys >= gen_context_lens[:, None] - window
-    o = F.scaled_dot_product_attention(q[gen_token_index][:, :, None], k, v, attn_mask=mask[:, None, None],
-                                       scale=scale, enable_gqa=True)
+    o = _sdpa(q[gen_token_index][:, :, None], k, v, mask[:, None, None], scale, softcap)
     out.index_put_((gen_token_index,), o[:, :, 0])
     return out[:T]

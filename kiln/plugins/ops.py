@@ -68,9 +68,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                     ctx_token_index: torch.Tensor, ctx_block_tables: torch.Tensor,
                     ctx_context_lens: torch.Tensor, gen_token_index: torch.Tensor,
                     gen_block_tables: torch.Tensor, gen_context_lens: torch.Tensor,
-                    scale: float, kv_scale: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
+                    scale: float, kv_scale: Optional[torch.Tensor] = None, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     return cpu.paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_context_lens,
-                               gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale, window)
+                               gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale, window, softcap)
 
 
 @paged_attention.register_fake

@@ -46,13 +46,16 @@ def kv_cache_write(kv_cache, layer, k, v, slot_mapping, kv_scale=None):
         kv_cache[layer, 1, slot // block_size, slot % block_size] = v[t]
 
 
-def _attend(q, k, v, query_positions, scale, window=0):
+def _attend(q, k, v, query_positions, scale, window=0, softcap=0.0):
     """q [Q, H, D] at absolute positions; k/v [L, KH, D] for positions 0..L-1, causal; with a sliding
-    window, a query at p sees keys p - window < key <= p."""
+    window, a query at p sees keys p - window < key <= p; softcap: scores become
+    tanh(s / softcap) * softcap first."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     key_positions = torch.arange(k.shape[0])
     hidden = key_positions[None, :] > query_positions[:, None]
     if window:
@@ -72,8 +75,9 @@ def _sequence_kv(kv_cache, layer, block_table, length, kv_scale):
 
 
 def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_context_lens,
-                    gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale=None, window=0):
-    """window: this layer's sliding window (0: none). Block table entries whose keys are all outside
+                    gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale=None, window=0,
+                    softcap=0.0):
+    """window: this layer's sliding window (0: none); softcap: the scores' soft cap (0: none). Block table entries whose keys are all outside
     every query's window are never read (the KV cache manager may have freed them)."""
     out = torch.zeros_like(q)
     for i in range(ctx_token_index.shape[0]):
@@ -81,10 +85,10 @@ def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_c
         length = int(ctx_context_lens[i])
         k, v = _sequence_kv(kv_cache, layer, ctx_block_tables[i], length, kv_scale)
         positions = torch.arange(length - len(tokens), length)
-        out[tokens] = _attend(q[tokens], k, v, positions, scale, window).to(q.dtype)
+        out[tokens] = _attend(q[tokens], k, v, positions, scale, window, softcap).to(q.dtype)
     for i in range(gen_token_index.shape[0]):
         length = int(gen_context_lens[i])
         k, v = _sequence_kv(kv_cache, layer, gen_block_tables[i], length, kv_scale)
         token = gen_token_index[i : i + 1]
-        out[token] = _attend(q[token], k, v, torch.tensor([length - 1]), scale, window).to(q.dtype)
+        out[token] = _attend(q[token], k, v, torch.tensor([length - 1]), scale, window, softcap).to(q.dtype)
     return out

@@ -282,7 +282,7 @@ void store_rows(const AttentionParams& p, const WorkItem& it, const Tile& t) {
 
 bool context_bf16_fits(const AttentionParams& p, const WorkItem& it) {
   const int64_t G = p.num_heads / p.num_kv_heads;
-  return p.q_dtype == DType::BFloat16 && p.kv_dtype == DType::BFloat16 && p.head_dim % 2 == 0 &&
+  return p.q_dtype == DType::BFloat16 && p.kv_dtype == DType::BFloat16 && p.head_dim % 2 == 0 && p.softcap == 0 &&
          it.partial == nullptr && it.kv_head_end == it.kv_head_begin + 1 && it.n_q * G >= L;
 }
 

@@ -169,7 +169,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
                                const at::Tensor& ctx_token_index, const at::Tensor& ctx_block_tables,
                                const at::Tensor& ctx_context_lens, const at::Tensor& gen_token_index,
                                const at::Tensor& gen_block_tables, const at::Tensor& gen_context_lens,
-                               double scale, const std::optional<at::Tensor>& kv_scale, int64_t window) {
+                               double scale, const std::optional<at::Tensor>& kv_scale, int64_t window,
+                               double softcap) {
   check_dim(q, 3, "q", "[num_tokens, num_heads, head_dim]");
   check_dim(kv_cache, 6, "kv_cache", "[layers, 2, blocks, block_size, kv_heads, head_dim]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -183,6 +184,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   const DType q_dtype = dtype_of(q, "q");
   const DType kv_dtype = kv_dtype_of(kv_cache);
   TORCH_CHECK(window >= 0, kOp, "window must be >= 0 (0: no sliding window), got ", window);
+  TORCH_CHECK(softcap >= 0, kOp, "softcap must be >= 0 (0: scores not capped), got ", softcap);
   // The first key a query at `pos` sees, rounded down to its page: where the item's pages start.
   const auto first_page_key = [&](int64_t pos) {
     return window == 0 ? int64_t{0} : std::max<int64_t>(0, pos - window + 1) / bs * bs;
@@ -342,6 +344,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   p.block_size = bs;
   p.scale = static_cast<float>(scale);
   p.window = window;
+  p.softcap = static_cast<float>(softcap);
 
   // Context tiles over a bf16 pool take the bf16 dot-product kernel where the CPU has one.
   const bool bf16 = (cpu_features() & kAvx512Bf16) != 0;
@@ -378,7 +381,8 @@ at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& kv_cache,
                                 const at::Tensor& ctx_token_index, const at::Tensor& ctx_block_tables,
                                 const at::Tensor& ctx_context_lens, const at::Tensor& gen_token_index,
                                 const at::Tensor& gen_block_tables, const at::Tensor& gen_context_lens,
-                                double scale, const std::optional<at::Tensor>& kv_scale, int64_t window) {
+                                double scale, const std::optional<at::Tensor>& kv_scale, int64_t window,
+                               double softcap) {
   return at::empty_like(q, at::MemoryFormat::Contiguous);
 }
 
@@ -390,7 +394,7 @@ std::string kernel_capability() { return kernel().name; }
 TORCH_LIBRARY(kiln_cpp, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, int layer, Tensor ctx_token_index, "
         "Tensor ctx_block_tables, Tensor ctx_context_lens, Tensor gen_token_index, "
-        "Tensor gen_block_tables, Tensor gen_context_lens, float scale, Tensor? kv_scale=None, int window=0) -> Tensor",
+        "Tensor gen_block_tables, Tensor gen_context_lens, float scale, Tensor? kv_scale=None, int window=0, float softcap=0.0) -> Tensor",
         {at::Tag::pt2_compliant_tag});
   // Which build of the kernel runs on this CPU: "AVX512", "AVX2" or "DEFAULT".
   m.def("kernel_capability() -> str", &kiln::kernel_capability);

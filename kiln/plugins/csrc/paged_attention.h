@@ -31,6 +31,8 @@ struct AttentionParams {
   // The layer's sliding window: a query at position p sees keys p - window < key <= p (0: all keys
   // up to p). Pages wholly before every query's window are never read.
   int64_t window;
+  // Scores pass through tanh(s / softcap) * softcap before the mask and softmax (Gemma 2); 0: not.
+  float softcap;
 };
 
 // One unit of work: n_q consecutive query tokens of one sequence (a tile of a context-phase chunk,

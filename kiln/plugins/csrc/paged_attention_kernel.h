@@ -447,14 +447,18 @@ struct HeadRows {
 };
 
 // Online softmax of rows r0 .. rows over a page's scores s[r][0, Bp), of which row r sees keys
-// hidden(r) .. visible(r) (hidden: keys before its sliding window): turns the scores into
+// hidden(r) .. visible(r) (hidden: keys before its sliding window), soft-capped first where softcap
+// is set: turns the scores into
 // probabilities (0 for the unseen keys), updates m and l, and sets corr to the factor the row's
 // accumulator must be rescaled by.
 template <typename Visible, typename Hidden>
 inline void online_softmax(const HeadRows& h, int64_t r0, int64_t rows, float* s, int64_t Bp, Visible visible,
-                           Hidden hidden) {
+                           Hidden hidden, float softcap) {
   for (int64_t r = r0; r < rows; ++r) {
     float* sr = s + r * Bp;
+    if (softcap > 0) {
+      for (int64_t t = 0, n = visible(r); t < n; ++t) sr[t] = softcap * std::tanh(sr[t] / softcap);
+    }
     std::fill(sr + visible(r), sr + Bp, kNegInf);
     std::fill(sr, sr + std::min<int64_t>(hidden(r), Bp), kNegInf);
     Vec mx(kNegInf);
@@ -489,7 +493,7 @@ void attend_page(const AttentionParams& p, const WorkItem& it, const HeadRows& h
   if (it.n_q == 1 && decode_fits(D)) {  // a generation token: every row sees all n keys but the hidden
     const auto all = [n](int64_t) { return n; };
     decode_pass(h.q, h.o, h.corr, s, kf, rows, Bp, kp, vp, p.token_stride, n, D, ahead, true);
-    online_softmax(h, 0, rows, s, Bp, all, hidden);
+    online_softmax(h, 0, rows, s, Bp, all, hidden, p.softcap);
     decode_pass(h.q, h.o, h.corr, s, kf, rows, Bp, kp, vp, p.token_stride, n, D, ahead, false);
     return;
   }
@@ -524,7 +528,7 @@ void attend_page(const AttentionParams& p, const WorkItem& it, const HeadRows& h
   } else {
     for (int64_t r = r0; r < rows; ++r) scores(h.q + r * Dp, K, stride, visible(r), s + r * Bp, Dp);
   }
-  online_softmax(h, r0, rows, s, Bp, visible, hidden);
+  online_softmax(h, r0, rows, s, Bp, visible, hidden, p.softcap);
   // o = o * corr + p V, two rows per pass over the V page (row r + 1 sees at least row r's keys).
   int64_t r = r0;
   for (; r + 1 < rows; r += 2) {

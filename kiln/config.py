@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "SmolLM3ForCausalLM",
+    "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
 )

@@ -70,6 +70,14 @@ _QWEN2_5_7B_INSTRUCT_YARN = {  # Qwen/Qwen2.5-7B-Instruct, with the rope_scaling
     "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
 
+_PHI_3_MINI_4K = {  # microsoft/Phi-3-mini-4k-instruct: fused qkv_proj and gate_up_proj, a 2047-token window
+    "architectures": ["Phi3ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "embd_pdrop": 0.0,
+    "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02,
+    "intermediate_size": 8192, "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "original_max_position_embeddings": 4096,
+    "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.2", "use_cache": True, "vocab_size": 32064}
 _GEMMA_2_2B = {  # google/gemma-2-2b: alternating sliding and global layers, soft-capped scores and logits
     "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
@@ -158,9 +166,10 @@ PUBLISHED = {"llama3.2": _LLAMA_3_2_1B, "qwen2.5": _QWEN2_5_0_5B, "qwen3": _QWEN
              "mistral": _MISTRAL_7B_V0_3, "qwen2.5-yarn": _QWEN2_5_7B_INSTRUCT_YARN, "mixtral": _MIXTRAL_8X7B,
              "qwen1.5-moe": _QWEN1_5_MOE_A2_7B, "qwen3-moe": _QWEN3_30B_A3B, "granite3.1": _GRANITE_3_1_2B,
              "olmo2": _OLMO_2_1B, "smollm3": _SMOLLM3_3B, "mistral-v0.1": _MISTRAL_7B_V0_1,
-             "qwen2.5-swa": _QWEN2_5_0_5B_SWA, "gemma2": _GEMMA_2_2B, "gemma3": _GEMMA_3_1B_IT}
+             "qwen2.5-swa": _QWEN2_5_0_5B_SWA, "gemma2": _GEMMA_2_2B, "gemma3": _GEMMA_3_1B_IT,
+             "phi3": _PHI_3_MINI_4K}
 # No eos: greedy runs its NEW_TOKENS on both sides without an end-of-sequence rule to agree on.
-WINDOWED, WINDOW = ("mistral-v0.1", "qwen2.5-swa", "gemma2", "gemma3"), 8
+WINDOWED, WINDOW = ("mistral-v0.1", "qwen2.5-swa", "gemma2", "gemma3", "phi3"), 8
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=None, pad_token_id=0)
 

@@ -20,7 +20,7 @@ from kiln.models import rope
 CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
            "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
            "granite": "GraniteConfig", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config",
-           "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
+           "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
 # 32 heads: HF's default num_key_value_heads (32 for Qwen, 8 for Mistral) must divide them.
 SIZES = dict(vocab_size=128, hidden_size=1024, num_hidden_layers=2, num_attention_heads=32, intermediate_size=512)
 MAJOR = int(transformers.__version__.split(".")[0])

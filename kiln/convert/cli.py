@@ -41,7 +41,7 @@ def convert_checkpoint(
 
     from kiln.convert.hf import HFWeights
     from kiln.convert.hf_config import pretrained_config_from_hf, read_hf_config
-    from kiln.convert.shard import rank_plan, source_shapes
+    from kiln.convert.shard import fused_tensors, rank_plan, source_shapes
     from kiln.convert.writer import check_output_dir, write_checkpoint
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
@@ -53,6 +53,7 @@ def convert_checkpoint(
         return _convert_quantized(cfg, quant, model_dir, output_dir, log or (lambda _: None))
     check_output_dir(model_dir, output_dir)
     with HFWeights(model_dir) as weights:
+        weights.unfuse(fused_tensors(cfg))
         # Headers only: a missing tensor or wrong shape fails before anything is written.
         weights.check(source_shapes(cfg))
         plans = [rank_plan(cfg, rank) for rank in range(cfg.mapping.world_size)]
@@ -66,12 +67,13 @@ def _convert_quantized(cfg, quant, model_dir: Path, output_dir: Path, log) -> Pa
     from kiln.convert.hf import HFWeights
     from kiln.convert.quantize.pipeline import prepare, quantize, rank_tensors
     from kiln.convert.quantize.report import REPORT_FILE
-    from kiln.convert.shard import source_shapes
+    from kiln.convert.shard import fused_tensors, source_shapes
     from kiln.convert.writer import check_output_dir, write_ranks
 
     cfg, texts = prepare(cfg, quant)
     check_output_dir(model_dir, output_dir)
     with HFWeights(model_dir) as weights:
+        weights.unfuse(fused_tensors(cfg))
         weights.check(source_shapes(cfg))
         tensors, report = quantize(cfg, quant, texts, weights, model_dir, log)
     ranks = (rank_tensors(cfg, tensors, r) for r in range(cfg.mapping.world_size))

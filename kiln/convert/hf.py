@@ -76,6 +76,7 @@ class HFWeights:
         self._handles: dict[str, Any] = {}  # tensor name -> open file
         self._file_of: dict[str, Path] = {}
         self._stored: dict[str, str] = {}  # causal-LM name -> the name in the file, where they differ
+        self._parts: dict[str, tuple[str, int, int]] = {}  # part of a fused tensor -> (fused name, first row, rows)
         try:
             for path in self.files:
                 try:
@@ -106,6 +107,21 @@ class HFWeights:
                             self._handles[name], self._file_of[name] = self._handles[stored], self._file_of[stored]
                 return
 
+    def unfuse(self, fused: dict[str, list[tuple[str, int]]]) -> None:
+        """Read fused tensors (Phi-3's qkv_proj, gate_up_proj) by the names of their parts: fused name ->
+        [(part name, rows)], the parts stacked along dim 0 in that order."""
+        for name, parts in fused.items():
+            if name not in self._handles:
+                continue  # check() names whatever is missing
+            offset = 0
+            for part, rows in parts:
+                self._parts[part] = (name, offset, rows)
+                offset += rows
+            total = self.shape(name)[0]
+            if total != offset:
+                raise CheckpointError(f"tensor {name!r} in {self._file_of[name]} has {total} rows, expected {offset} "
+                                      f"({' + '.join(str(r) for _, r in parts)}) from config.json")
+
     def __enter__(self) -> "HFWeights":
         return self
 
@@ -116,7 +132,7 @@ class HFWeights:
         self._stack.close()
 
     def __contains__(self, name: str) -> bool:
-        return name in self._handles
+        return name in self._handles or name in self._parts
 
     def _where(self, name: str) -> str:
         if name in self._index:
@@ -126,6 +142,9 @@ class HFWeights:
         return str(self.model_dir)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._parts:
+            fused, _, rows = self._parts[name]
+            return (rows, *self.shape(fused)[1:])
         if name not in self._handles:
             raise CheckpointError(f"tensor {name!r} not found in {self._where(name)}")
         return tuple(self._handles[name].get_slice(self._stored.get(name, name)).get_shape())
@@ -135,13 +154,22 @@ class HFWeights:
         for name, shape in expected.items():
             got = self.shape(name)
             if got != tuple(shape):
+                where = self._file_of[self._parts[name][0] if name in self._parts else name]
                 raise CheckpointError(
-                    f"tensor {name!r} in {self._file_of[name]} has shape {list(got)}, expected "
+                    f"tensor {name!r} in {where} has shape {list(got)}, expected "
                     f"{list(shape)} from config.json"
                 )
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None):
         """Read `name`, or only rows/columns [start, stop) along `dim`, without loading the rest."""
+        if name in self._parts:
+            fused, first, rows = self._parts[name]
+            if dim == 0:
+                start, stop, _ = slice(start, stop).indices(rows)
+                return self.read(fused, 0, first + start, first + stop)
+            whole = self.read(fused, 0, first, first + rows)
+            start, stop, _ = slice(start, stop).indices(whole.shape[dim])
+            return whole.narrow(dim, start, stop - start)
         if name not in self._handles:
             raise CheckpointError(f"tensor {name!r} not found in {self._where(name)}")
         piece = self._handles[name].get_slice(self._stored.get(name, name))

@@ -28,7 +28,7 @@ Keys read (for the families in FAMILIES; "refused" names the values that are):
 | (OLMo 2's architecture) | pre_norm false, post_norm true (RMSNorm on each block's output before the residual add), qk_layernorm over the whole q and k projections | |
 | hidden_activation, query_pre_attn_scalar, final_logit_softcapping, attn_logit_softcapping, use_bidirectional_attention (Gemma 2, Gemma 3 text); rope_local_base_freq, sliding_window_pattern (Gemma 3) | GeGLU (gelu_pytorch_tanh); attention_multiplier = query_pre_attn_scalar ** -0.5; the soft caps; RMSNorms by 1 + weight, the embedding by sqrt(hidden_size), sandwich norms; sliding layers every other one (Gemma 2) or all but every sliding_window_pattern-th (Gemma 3) when layer_types is absent; rotary_base_local for Gemma 3's sliding layers (transformers 5: rope_parameters.sliding_attention) | another activation, bidirectional attention, caps that are not positive numbers, a local rope that is not the default type |
 | no_rope_layers, no_rope_layer_interval (SmolLM3) | nope_layers: the layers whose no_rope_layers entry is 0 attend without rotary embedding (absent: every no_rope_layer_interval-th) | a list that is not one 0 or 1 per layer |
-| sliding_window (Mistral, Mixtral: every layer); use_sliding_window, max_window_layers, layer_types (Qwen2/Qwen3: the layers layer_types marks, else those from max_window_layers on); use_sliding_window (Qwen3-MoE: every layer); use_sliding_window, layer_types (SmolLM3: absent, its NoPE layers slide); Qwen2-MoE's | sliding_window, sliding_window_layers (null: every layer); none where the window is at least max_position_embeddings | Qwen2-MoE with a window shorter than max_position_embeddings (transformers 4 slides every layer, 5 the layer_types ones); layer_types marking a layer sliding without use_sliding_window (transformers 5 then slides a window of 0) |
+| sliding_window (Mistral, Mixtral, Phi-3: every layer); use_sliding_window, max_window_layers, layer_types (Qwen2/Qwen3: the layers layer_types marks, else those from max_window_layers on); use_sliding_window (Qwen3-MoE: every layer); use_sliding_window, layer_types (SmolLM3: absent, its NoPE layers slide); Qwen2-MoE's | sliding_window, sliding_window_layers (null: every layer); none where the window is at least max_position_embeddings | Qwen2-MoE with a window shorter than max_position_embeddings (transformers 4 slides every layer, 5 the layer_types ones); layer_types marking a layer sliding without use_sliding_window (transformers 5 then slides a window of 0) |
 | num_local_experts (Mixtral), num_experts (Qwen2-MoE, Qwen3-MoE); transformers 5 maps num_experts onto num_local_experts for Mixtral and Qwen3-MoE, so either name is read there | moe.num_experts | fewer than 1; both names present and different |
 | num_experts_per_tok | moe.top_k | outside 1 .. the number of experts |
 | norm_topk_prob (Qwen2-MoE, Qwen3-MoE; Mixtral always renormalizes) | moe.normalization_mode: 1 (top-k weights divided by their sum) if true, else 0 | |
@@ -45,7 +45,7 @@ generation defaults, output switches, bookkeeping; for the MoE families router_a
 output_router_logits and Mixtral's router_jitter_noise, which act only in training);
 tests/test_hf_config.py walks every field of the installed transformers' LlamaConfig, MistralConfig,
 Qwen2Config, Qwen3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, GraniteConfig, Olmo2Config,
-SmolLM3Config, Gemma2Config and Gemma3TextConfig and fails on one that
+SmolLM3Config, Phi3Config, Gemma2Config and Gemma3TextConfig and fails on one that
 is in neither table, so a field added by a new transformers release is a failing test, not a wrong
 answer. Other keys a config.json carries (auto_map, unsloth_version ...) are not read by these
 models in HF either, and are ignored.
@@ -62,7 +62,7 @@ from kiln.config import DTYPES, SUPPORTED_ARCHITECTURES, ConfigError, Mapping, M
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+            "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 ARCH_FAMILY = {arch: family for family, arch in FAMILIES.items()}
@@ -96,6 +96,8 @@ DEFAULTS = {
     "smollm3": dict(_COMMON, rope_theta=2000000.0, tie_word_embeddings=True, num_key_value_heads=4,
                     max_position_embeddings=32768, attention_bias=False, mlp_bias=False, use_sliding_window=False,
                     sliding_window=None, no_rope_layers=None, no_rope_layer_interval=4),
+    "phi3": dict(_COMMON, rms_norm_eps=1e-5, num_key_value_heads=None, max_position_embeddings=4096,
+                 sliding_window=None),
     "gemma2": dict(_COMMON, hidden_activation="gelu_pytorch_tanh", head_dim=256, num_key_value_heads=4,
                    max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
                    query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
@@ -142,6 +144,7 @@ MAPPED = {
     "olmo2": _MAPPED_ALL | {"attention_bias"},
     "smollm3": _MAPPED_ALL | {"attention_bias", "mlp_bias", "use_sliding_window", "sliding_window", "layer_types",
                               "no_rope_layers", "no_rope_layer_interval"},
+    "phi3": _MAPPED_ALL | {"sliding_window"},
     "gemma2": _MAPPED_ALL | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
                              "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
                              "use_bidirectional_attention"},
@@ -189,7 +192,8 @@ IGNORED_BY_FAMILY = {"llama": set(), "mistral": set(), "qwen2": {"attention_bias
                      # SmolLM3-3B's config.json carries max_window_layers; HF's SmolLM3 does not read it
                      "smollm3": {"max_window_layers"},
                      # the pattern kept from sliding_window_pattern: layer_types, written beside it, is read
-                     "gemma3_text": {"_sliding_window_pattern"}, "gemma2": set()}
+                     "gemma3_text": {"_sliding_window_pattern"}, "gemma2": set(),
+                     "phi3": {"resid_pdrop", "embd_pdrop"}}  # dropouts
 
 ROPE_TYPES = {  # rope type -> the keys it reads besides rope_type/type/rope_theta/partial_rotary_factor
     "default": set(),
@@ -567,7 +571,7 @@ def _sliding_window(hf: dict, family: str, get, max_pos: int) -> dict:
         return {}
     window = get("sliding_window")
     n = hf["num_hidden_layers"]
-    if family in ("mistral", "mixtral"):  # no switch: a window is in effect whenever one is given
+    if family in ("mistral", "mixtral", "phi3"):  # no switch: a window is in effect whenever one is given
         sliding = list(range(n)) if window is not None else []
     elif family == "qwen3_moe":  # only with use_sliding_window, then on every layer
         sliding = list(range(n)) if get("use_sliding_window") and window is not None else []

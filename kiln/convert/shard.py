@@ -100,6 +100,21 @@ def source_shapes(cfg: PretrainedConfig) -> dict[str, tuple[int, ...]]:
 # builders: each reads just the slice one rank needs
 
 
+def fused_tensors(cfg: PretrainedConfig) -> dict[str, list[tuple[str, int]]]:
+    """HF tensors that hold several linears stacked (Phi-3's qkv_proj and gate_up_proj) -> their parts
+    by the names the conversion reads, with each part's rows (kiln.convert.hf.HFWeights.unfuse)."""
+    if cfg.architecture != "Phi3ForCausalLM":
+        return {}
+    q, kv, inter = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size, cfg.intermediate_size
+    fused = {}
+    for i in range(cfg.num_hidden_layers):
+        fused[hf_layer(i, "self_attn.qkv_proj.weight")] = [
+            (hf_layer(i, f"self_attn.{x}_proj.weight"), rows) for x, rows in (("q", q), ("k", kv), ("v", kv))]
+        fused[hf_layer(i, "mlp.gate_up_proj.weight")] = [
+            (hf_layer(i, f"mlp.{x}_proj.weight"), inter) for x in ("gate", "up")]
+    return fused
+
+
 def norms(cfg: PretrainedConfig) -> list[tuple[str, str]]:
     """(Kiln name, HF name) of a layer's block norms. HF's post_attention_layernorm is the norm before
     the MLP in a pre-norm model (Kiln's post_layernorm, as TensorRT-LLM's) but the attention output's

@@ -265,14 +265,13 @@ def test_sliding_window_where_hf_applies_it():
         cfg, hf = qwen2(**kw)
         assert "sliding_attention" not in cfg.layer_types
         assert pretrained_config_from_hf(hf).attn_bias
+        assert pretrained_config_from_hf(hf).sliding_window is None
     cfg, hf = qwen2(use_sliding_window=True, max_window_layers=1)
     assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
-    with pytest.raises(ConfigError, match=r"sliding_window 32 is smaller than max_position_embeddings 256 "
-                                          r"\(on layer\(s\) 1, 2\)"):
-        pretrained_config_from_hf(hf)
+    ours = pretrained_config_from_hf(hf)
+    assert (ours.sliding_window, ours.sliding_window_layers, ours.kv_window) == (32, [1, 2], 0)
     del hf["layer_types"]  # as a 4.x-era config.json has it: derived from max_window_layers
-    with pytest.raises(ConfigError, match=r"\(on layer\(s\) 1, 2\)"):
-        pretrained_config_from_hf(hf)
+    assert pretrained_config_from_hf(hf).sliding_window_layers == [1, 2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,9 +337,9 @@ def _tp_not_dividing_heads(d, tmp):
 def _sliding_window(d, tmp):
     d = _copy(d["mistral"], tmp / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["sliding_window"] = 128
+    cfg["sliding_window"] = 0
     (d / "config.json").write_text(json.dumps(cfg))
-    return d, [], "sliding_window 128 is smaller than max_position_embeddings 256"
+    return d, [], "sliding_window 0 is not supported; expected an integer >= 1"
 
 
 @pytest.mark.parametrize("make", [

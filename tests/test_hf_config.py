@@ -13,8 +13,9 @@ import transformers
 
 from kiln.config import ConfigError, MoeConfig
 from kiln.convert.cli import convert_checkpoint
-from kiln.convert.hf_config import (FAMILIES, IGNORED, IGNORED_BY_FAMILY, MAPPED, REFUSED_ROPE_TYPES, ROPE_TYPES,
-                                    pretrained_config_from_hf, read_hf_config)
+from kiln.convert.hf_config import (FAMILIES, IGNORED, IGNORED_BY_FAMILY, MAPPED, pretrained_config_from_hf,
+                                    read_hf_config)
+from kiln.convert.hf_rope import REFUSED_ROPE_TYPES, ROPE_TYPES
 from kiln.models import rope
 
 CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",

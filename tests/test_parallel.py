@@ -125,8 +125,8 @@ def reference(engine):
     ("llama", 2, 1, "aoti"),  # the all-reduces compiled in
     ("qwen2", 2, 2, "eager"),  # qkv bias split with the heads
     ("llama_linear", 2, 1, "eager"),  # one KV head, replicated on both ranks; untied lm_head
-    ("olmo2", 4, 1, "eager"),  # q/k norms over whole projections split four ways, each KV head on two ranks
-    ("granite", 2, 2, "eager"),  # the embedding multiplier after the vocab-parallel lookup, on stage 0 only
+    ("olmo2", 2, 1, "eager"),  # q/k norms over whole projections split over the ranks, the one KV head on both
+    ("granite", 1, 2, "eager"),  # the embedding multiplier on the first stage only
 ])
 def test_same_tokens_as_one_rank(parallel_engine, reference, name, tp, pp, backend):
     engine_dir = parallel_engine(name, tp, pp, backend)

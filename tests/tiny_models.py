@@ -74,8 +74,8 @@ VARIANTS = {
     "gemma2_capped": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=12, attn_logit_softcapping=2.0,
         final_logit_softcapping=3.0, attn_implementation="eager")),
-    # norms on the blocks' outputs, q/k norms over the whole projections
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
+    # norms on the blocks' outputs, q/k norms over the whole projections; MQA
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
 }
 
 

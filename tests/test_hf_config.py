@@ -75,8 +75,10 @@ def test_absent_keys_take_hfs_defaults(family):
     ours = pretrained_config_from_hf(minimal)
     # HF's Mistral slides a 4096 window over its 131072 positions by default; Gemma 3 on most layers (below)
     if family not in ("gemma2", "gemma3_text"):
-        assert (ours.sliding_window, ours.sliding_window_layers) == ((4096, None) if family == "mistral" else (None, None))
-    rope = hf.rope_parameters.get("full_attention", hf.rope_parameters) if MAJOR >= 5 else None  # Gemma 3: by layer type
+        want = (4096, None) if family == "mistral" else (None, None)
+        assert (ours.sliding_window, ours.sliding_window_layers) == want
+    # Gemma 3 keys its rope_parameters by layer type
+    rope = hf.rope_parameters.get("full_attention", hf.rope_parameters) if MAJOR >= 5 else None
     theta = rope["rope_theta"] if MAJOR >= 5 else hf.rope_theta
     assert (ours.num_key_value_heads, ours.head_size, ours.norm_epsilon, ours.rotary_base, ours.rotary_scaling,
             ours.tie_word_embeddings, ours.max_position_embeddings, ours.hidden_act) == (

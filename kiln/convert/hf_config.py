@@ -63,7 +63,8 @@ from kiln.convert.hf_rope import rope_of
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+            "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 ARCH_FAMILY = {arch: family for family, arch in FAMILIES.items()}
@@ -116,8 +117,8 @@ EXPERTS_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "qwen2_moe": ("
 
 _NOT_NULL = ("hidden_act", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "max_position_embeddings",
              "max_window_layers", "embedding_multiplier", "logits_scaling", "residual_multiplier",
-             "attention_multiplier", "no_rope_layer_interval", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-             "shared_expert_intermediate_size", "decoder_sparse_step")
+             "attention_multiplier", "no_rope_layer_interval", "num_local_experts", "num_experts",
+             "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step")
 # HF builds q_proj from getattr(config, "head_dim", <derived>): an explicit null has no fallback.
 _HEAD_DIM_NOT_NULL = ("qwen3", "qwen2_moe", "qwen3_moe")
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")

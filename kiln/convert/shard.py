@@ -105,7 +105,8 @@ def fused_tensors(cfg: PretrainedConfig) -> dict[str, list[tuple[str, int]]]:
     by the names the conversion reads, with each part's rows (kiln.convert.hf.HFWeights.unfuse)."""
     if cfg.architecture != "Phi3ForCausalLM":
         return {}
-    q, kv, inter = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size
+    inter = cfg.intermediate_size
     fused = {}
     for i in range(cfg.num_hidden_layers):
         fused[hf_layer(i, "self_attn.qkv_proj.weight")] = [
@@ -219,7 +220,8 @@ def rank_plan(cfg: PretrainedConfig, rank: int) -> list[tuple[str, Builder]]:
         plan.append(("transformer.vocab_embedding.weight", partial(_vocab, cfg, HF_EMBED, tp_rank)))
 
     for i in cfg.layers_of(pp_rank):
-        plan += [(trt_layer(i, kiln + ".weight"), partial(_whole, hf_layer(i, hf + ".weight"))) for kiln, hf in norms(cfg)]
+        plan += [(trt_layer(i, kiln + ".weight"), partial(_whole, hf_layer(i, hf + ".weight")))
+                 for kiln, hf in norms(cfg)]
         plan.append((trt_layer(i, "attention.qkv.weight"), partial(_qkv, cfg, i, tp_rank, "weight")))
         if cfg.attn_bias:
             plan.append((trt_layer(i, "attention.qkv.bias"), partial(_qkv, cfg, i, tp_rank, "bias")))

@@ -283,9 +283,11 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
     theta, scaling = rope_of(hf, max_pos, get("rope_theta"))
     window = _sliding_window(hf, family, get, max_pos)
     moe = _moe(hf, family, arch, get) if family in MOE_FAMILIES else {}
-    extra = dict(_granite(get) if family == "granite" else {},
-                 nope_layers=[i for i, r in enumerate(_smollm3_rope_layers(hf, get)) if not r] if family == "smollm3"
-                 else [])
+    extra = {}
+    if family == "granite":
+        extra.update(_granite(get))
+    if family == "smollm3":
+        extra["nope_layers"] = [i for i, r in enumerate(_smollm3_rope_layers(hf, get)) if not r]
     if family == "olmo2":  # norms on the blocks' outputs, and q/k norms over the whole projections
         extra.update(pre_norm=False, post_norm=True, qk_layernorm_scope="projection")
     if family in GEMMA:
@@ -326,18 +328,12 @@ def _gemma(hf: dict, family: str, get, dtype: str) -> dict:
 
     if get("use_bidirectional_attention"):
         raise ConfigError("use_bidirectional_attention true is not supported; expected false (causal attention)")
-    caps = {}
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        cap = caps[key] = get(key)
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
-            raise ConfigError(f"{key} {cap!r} is not supported; expected null or a number > 0")
-        caps[key] = None if cap is None else float(cap)
-    scalar = get("query_pre_attn_scalar")
-    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
-        raise ConfigError(f"query_pre_attn_scalar {scalar!r} is not supported; expected a number > 0")
+    caps = {key: None if get(key) is None else _number(key, get(key), "null or a number > 0", _positive)
+            for key in ("final_logit_softcapping", "attn_logit_softcapping")}
+    scalar = _number("query_pre_attn_scalar", get("query_pre_attn_scalar"), "a number > 0", _positive)
     embed = torch.tensor(hf["hidden_size"] ** 0.5).to(getattr(torch, dtype)).item()
     return dict(pre_norm=True, post_norm=True, norm_weight_offset=1.0, embedding_multiplier=embed,
-                attention_multiplier=float(scalar) ** -0.5, **caps)
+                attention_multiplier=scalar ** -0.5, **caps)
 
 
 def _gemma3_local_rope(hf: dict, get) -> tuple[dict, float]:
@@ -358,22 +354,17 @@ def _gemma3_local_rope(hf: dict, get) -> tuple[dict, float]:
                               f"disagree; expected one value")
     else:
         theta = get("rope_local_base_freq")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"rope_local_base_freq {theta!r} is not supported; expected a number > 0")
-    return hf, float(theta)
+    return hf, _number("rope_local_base_freq", theta, "a number > 0", _positive)
 
 
 def _granite(get) -> dict:
     """Granite's four scalars (HF's defaults are 1.0 for all, the attention multiplier included: it
     replaces head_dim ** -0.5 as the scores' scale)."""
-    values = {}
-    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
-        value = get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-                key == "logits_scaling" and value == 0):
-            raise ConfigError(f"{key} {value!r} is not supported; expected a finite number"
-                              f"{' other than 0 (the logits are divided by it)' if key == 'logits_scaling' else ''}")
-        values[key] = float(value)
+    values = {key: _number(key, get(key), "a finite number", math.isfinite)
+              for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier")}
+    values["logits_scaling"] = _number("logits_scaling", get("logits_scaling"),
+                                       "a finite number other than 0 (the logits are divided by it)",
+                                       lambda v: math.isfinite(v) and v != 0)
     return values
 
 
@@ -420,6 +411,17 @@ def _moe(hf: dict, family: str, arch: str, get) -> dict:
                 moe_intermediate_size=_integer("moe_intermediate_size", get("moe_intermediate_size"), 1),
                 decoder_sparse_step=_integer("decoder_sparse_step", get("decoder_sparse_step"), 1),
                 mlp_only_layers=list(layers))
+
+
+def _number(key: str, value, expected: str, ok) -> float:
+    """value (an int or float, not a bool, for which ok holds) as a float, else a one-line error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ConfigError(f"{key} {value!r} is not supported; expected {expected}")
+    return float(value)
+
+
+def _positive(value) -> bool:
+    return value > 0
 
 
 def _integer(key: str, value, minimum: int) -> int:

@@ -52,6 +52,12 @@ def _gather_kv(kv_cache, layer, block_tables, dtype, kv_scale=None):
     return kv[0], kv[1]
 
 
+def _seen(keys, query_pos, window):
+    """Which keys a query at query_pos attends: causal, and within its sliding window (0: none)."""
+    mask = keys <= query_pos
+    return mask & (keys > query_pos - window) if window else mask
+
+
 def _sdpa(q, k, v, mask, scale, softcap):
     """q [S, H, Q, D], k/v [S, KH, K, D], mask [S, 1, Q, K] (True: attend). SDPA has no soft cap:
     with one, the scores are written out."""
@@ -78,19 +84,13 @@ def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_c
     k, v = _gather_kv(kv_cache, layer, ctx_block_tables, q.dtype, kv_scale)
     query_pos = (ctx_context_lens - valid.sum(1))[:, None] + torch.arange(q_ctx.shape[2])
     query_pos = torch.minimum(query_pos, (ctx_context_lens - 1)[:, None])
-    keys = torch.arange(k.shape[2])[None, None, :]
-    mask = keys <= query_pos[:, :, None]  # [Sc, Qmax, K]
-    if window:
-        mask &= keys > query_pos[:, :, None] - window
+    mask = _seen(torch.arange(k.shape[2])[None, None, :], query_pos[:, :, None], window)  # [Sc, Qmax, K]
     o = _sdpa(q_ctx, k, v, mask[:, None], scale, softcap)
     dest = torch.where(valid, ctx_token_index, T).flatten()
     out.index_put_((dest,), o.transpose(1, 2).flatten(0, 1))
     # Generation phase: one query per sequence, never padded to the context phase's Qmax.
     k, v = _gather_kv(kv_cache, layer, gen_block_tables, q.dtype, kv_scale)
-    keys = torch.arange(k.shape[2])[None, :]
-    mask = keys < gen_context_lens[:, None]
-    if window:
-        mask &= keys >= gen_context_lens[:, None] - window
+    mask = _seen(torch.arange(k.shape[2])[None, :], (gen_context_lens - 1)[:, None], window)
     o = _sdpa(q[gen_token_index][:, :, None], k, v, mask[:, None, None], scale, softcap)
     out.index_put_((gen_token_index,), o[:, :, 0])
     return out[:T]

@@ -77,9 +77,9 @@ def _sequence_kv(kv_cache, layer, block_table, length, kv_scale):
 def paged_attention(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_context_lens,
                     gen_token_index, gen_block_tables, gen_context_lens, scale, kv_scale=None, window=0,
                     softcap=0.0):
-    """window: this layer's sliding window (0: none); softcap: the scores' soft cap (0: none). Block
-    table entries whose keys are all outside every query's window are never read (the KV cache
-    manager may have freed them)."""
+    """window: this layer's sliding window (0: none); softcap: the scores' soft cap (0: none). This
+    spec reads every block of a sequence and masks the keys outside the window; the C++ op never
+    reads the blocks wholly before it (the KV cache manager may have freed them)."""
     out = torch.zeros_like(q)
     for i in range(ctx_token_index.shape[0]):
         tokens = ctx_token_index[i][ctx_token_index[i] >= 0]

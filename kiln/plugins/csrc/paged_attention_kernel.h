@@ -448,9 +448,8 @@ struct HeadRows {
 
 // Online softmax of rows r0 .. rows over a page's scores s[r][0, Bp), of which row r sees keys
 // hidden(r) .. visible(r) (hidden: keys before its sliding window), soft-capped first where softcap
-// is set: turns the scores into
-// probabilities (0 for the unseen keys), updates m and l, and sets corr to the factor the row's
-// accumulator must be rescaled by.
+// is set: turns the scores into probabilities (0 for the unseen keys), updates m and l, and sets
+// corr to the factor the row's accumulator must be rescaled by.
 template <typename Visible, typename Hidden>
 inline void online_softmax(const HeadRows& h, int64_t r0, int64_t rows, float* s, int64_t Bp, Visible visible,
                            Hidden hidden, float softcap) {

@@ -31,7 +31,9 @@ QK_LAYERNORM_SCOPES = ("head", "projection")
 # rotary_scaling.type -> the keys the rotary embedding cannot do without (kiln/models/rope.py).
 ROPE_SCALING_TYPES = {"linear": ("factor",), "dynamic": ("factor",),
                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                      "yarn": ()}
+                      "yarn": (),
+                      "longrope": ("short_factor", "long_factor", "original_max_position_embeddings",
+                                   "attention_factor")}
 
 
 class ConfigError(ValueError):
@@ -132,6 +134,8 @@ class PretrainedConfig:
     position_embedding_type: str = "rope_gpt_neox"
     rotary_base: float = 10000.0
     rotary_scaling: dict | None = None
+    # The first head_size * partial_rotary_factor dims of each q/k head rotate, the rest pass (Phi-4-mini).
+    partial_rotary_factor: float = 1.0
     attn_bias: bool = False
     qk_layernorm: bool = False
     tie_word_embeddings: bool = False
@@ -210,6 +214,14 @@ class PretrainedConfig:
             missing = [k for k in ROPE_SCALING_TYPES[kind] if self.rotary_scaling.get(k) is None]
             if missing:
                 raise ConfigError(f"rotary_scaling ({kind}) is missing {', '.join(missing)}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} is not supported; expected a "
+                              f"factor in (0, 1] giving an even number of rotary dims (head_size {self.head_size})")
+        if self.long_rope_threshold:
+            for key in ("short_factor", "long_factor"):
+                if len(self.rotary_scaling[key]) != self.rotary_dim // 2:
+                    raise ConfigError(f"rotary_scaling.{key} has {len(self.rotary_scaling[key])} factors; expected "
+                                      f"{self.rotary_dim // 2} (one per pair of the {self.rotary_dim} rotary dims)")
         tp = self.mapping.tp_size
         if self.num_attention_heads % tp:
             raise ConfigError(
@@ -242,6 +254,16 @@ class PretrainedConfig:
             raise ConfigError(
                 f"pp_size {self.mapping.pp_size} exceeds num_hidden_layers ({self.num_hidden_layers})"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_size * self.partial_rotary_factor)
+
+    @property
+    def long_rope_threshold(self) -> int:
+        """LongRoPE: a sequence longer than this rotates q and k with the long factors (0: no LongRoPE)."""
+        scaling = self.rotary_scaling or {}
+        return scaling["original_max_position_embeddings"] if scaling.get("type") == "longrope" else 0
 
     @property
     def kv_heads_per_rank(self) -> int:

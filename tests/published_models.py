@@ -78,6 +78,51 @@ _PHI_3_MINI_4K = {  # microsoft/Phi-3-mini-4k-instruct: fused qkv_proj and gate_
     "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
     "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "transformers_version": "4.40.2", "use_cache": True, "vocab_size": 32064}
+_PHI_3_5_MINI = {  # microsoft/Phi-3.5-mini-instruct: LongRoPE (short factors up to 4096 tokens, long ones past)
+    "architectures": ["Phi3ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "embd_pdrop": 0.0,
+    "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02,
+    "intermediate_size": 8192, "max_position_embeddings": 131072, "model_type": "phi3", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "original_max_position_embeddings": 4096,
+    "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"long_factor": [
+        1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601, 1.5899999141693115,
+        1.600000023841858, 1.6200000047683716, 2.620000123977661, 3.2300000190734863, 3.2300000190734863,
+        4.789999961853027, 7.400000095367432, 7.700000286102295, 9.09000015258789, 12.199999809265137,
+        17.670000076293945, 24.46000099182129, 28.57000160217285, 30.420001983642578, 30.840002059936523,
+        32.590003967285156, 32.93000411987305, 42.320003509521484, 44.96000289916992, 50.340003967285156,
+        50.45000457763672, 57.55000305175781, 57.93000411987305, 58.21000289916992, 60.1400032043457,
+        62.61000442504883, 62.62000274658203, 62.71000289916992, 63.1400032043457, 63.1400032043457,
+        63.77000427246094, 63.93000411987305, 63.96000289916992, 63.970001220703125, 64.02999877929688,
+        64.06999969482422, 64.08000183105469, 64.12000274658203, 64.41000366210938, 64.4800033569336,
+        64.51000213623047, 64.52999877929688, 64.83999633789062], "short_factor": [
+        1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705, 1.0499999523162842, 1.0499999523162842,
+        1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0699999332427979, 1.0999999046325684,
+        1.1099998950958252, 1.1599998474121094, 1.1599998474121094, 1.1699998378753662, 1.2899998426437378,
+        1.339999794960022, 1.679999828338623, 1.7899998426437378, 1.8199998140335083, 1.8499997854232788,
+        1.8799997568130493, 1.9099997282028198, 1.9399996995925903, 1.9899996519088745, 2.0199997425079346,
+        2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346,
+        2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
+        2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0799996852874756,
+        2.0899996757507324, 2.189999580383301, 2.2199995517730713, 2.5899994373321533, 2.729999542236328,
+        2.749999523162842, 2.8399994373321533], "type": "longrope"},
+    "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.3", "use_cache": True, "attention_bias": False, "vocab_size": 32064}
+_PHI_4_MINI = {  # microsoft/Phi-4-mini-instruct: LongRoPE over the first 3/4 of each head, GQA, tied embeddings
+    "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 199999,
+    "embd_pdrop": 0.0, "eos_token_id": 199999, "full_attn_mod": 1, "hidden_act": "silu", "hidden_size": 3072,
+    "initializer_range": 0.02, "intermediate_size": 8192, "interpolate_factor": 1, "lm_head_bias": False,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "phi3", "num_attention_heads": 24,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "original_max_position_embeddings": 4096,
+    "pad_token_id": 199999, "partial_rotary_factor": 0.75, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"long_factor": [
+        1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649, 2.446418898,
+        2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533, 5.984965424,
+        6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+        16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23,
+        32.6, 32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77],
+        "short_factor": [1.0] * 48, "type": "longrope"},
+    "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0", "use_cache": True, "vocab_size": 200064}
 _GEMMA_2_2B = {  # google/gemma-2-2b: alternating sliding and global layers, soft-capped scores and logits
     "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
@@ -167,9 +212,10 @@ PUBLISHED = {"llama3.2": _LLAMA_3_2_1B, "qwen2.5": _QWEN2_5_0_5B, "qwen3": _QWEN
              "qwen1.5-moe": _QWEN1_5_MOE_A2_7B, "qwen3-moe": _QWEN3_30B_A3B, "granite3.1": _GRANITE_3_1_2B,
              "olmo2": _OLMO_2_1B, "smollm3": _SMOLLM3_3B, "mistral-v0.1": _MISTRAL_7B_V0_1,
              "qwen2.5-swa": _QWEN2_5_0_5B_SWA, "gemma2": _GEMMA_2_2B, "gemma3": _GEMMA_3_1B_IT,
-             "phi3": _PHI_3_MINI_4K}
+             "phi3": _PHI_3_MINI_4K, "phi3.5": _PHI_3_5_MINI, "phi4-mini": _PHI_4_MINI}
 # No eos: greedy runs its NEW_TOKENS on both sides without an end-of-sequence rule to agree on.
 WINDOWED, WINDOW = ("mistral-v0.1", "qwen2.5-swa", "gemma2", "gemma3", "phi3"), 8
+LONGROPE_SWITCH = 32  # prompts 3 and 8 stay short, 13 and 21 grow past it while generating, 34 start past it
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=None, pad_token_id=0)
 
@@ -185,6 +231,15 @@ def tiny_config(name: str) -> dict:
         cfg["shared_expert_intermediate_size"] = 96
     if "no_rope_layers" in published:  # one NoPE layer after three rotary ones, as published
         cfg["num_hidden_layers"] = 4
+    if (published.get("rope_scaling") or {}).get("type") == "longrope":
+        # the switch from short to long factors inside the prompts + NEW_TOKENS (a 32x longer context, as
+        # published); each factor list subsampled to the rotary dims' pairs (the long ones keep their ramp)
+        cfg["original_max_position_embeddings"] = LONGROPE_SWITCH
+        cfg["max_position_embeddings"] = LONGROPE_SWITCH * published["max_position_embeddings"] // published[
+            "original_max_position_embeddings"]
+        pairs = int(TINY["hidden_size"] // TINY["num_attention_heads"] * published.get("partial_rotary_factor", 1)) // 2
+        cfg["rope_scaling"] = {k: v[::len(v) // pairs][:pairs] if isinstance(v, list) else v
+                               for k, v in published["rope_scaling"].items()}
     if "sliding_window_pattern" in published:  # a global layer after five sliding ones
         cfg["num_hidden_layers"] = published["sliding_window_pattern"]
     for key in ("no_rope_layers", "layer_types"):  # per-layer lists: the first layers'
@@ -222,13 +277,34 @@ def save(name: str, path: Path) -> Path:
 
 def hf_greedy(model_dir: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
     """HF generate from the saved dir, the prompts batched (left-padded): each one's tokens and the
-    logits that chose them."""
+    logits that chose them.
+
+    LongRoPE models: each prompt alone, every step HF's forward over the whole sequence. HF picks the
+    factors of a batch by its longest row, so a batch is no oracle; and the step where a sequence first
+    grows past the switch recomputes it with the long factors (transformers 4's generate drops the cache
+    and does; 5.13's drops the cache but feeds the last token alone, which no model meant)."""
     import transformers
 
     # Gemma 2's soft-capped scores: HF's eager attention (transformers 5's SDPA path drops the cap)
     eager = {"attn_implementation": "eager"} if model_dir.name == "gemma2" else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **eager).eval()
-    batch = prompts()
+    if "longrope" in (model_dir / "config.json").read_text():
+        alone = [recomputing_greedy(model, p) for p in prompts()]
+        return [tokens for tokens, _ in alone], [steps for _, steps in alone]
+    return _generate(model, prompts())
+
+
+def recomputing_greedy(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> tuple[list[int], torch.Tensor]:
+    """Greedy by HF's forward over the whole sequence at every step (no KV cache)."""
+    tokens, steps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            steps.append(model(torch.tensor([tokens])).logits[0, -1].float())
+            tokens.append(int(steps[-1].argmax()))
+    return tokens[len(prompt):], torch.stack(steps)
+
+
+def _generate(model, batch: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
     width = max(map(len, batch))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])

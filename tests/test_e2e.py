@@ -43,8 +43,10 @@ def hf_greedy(model, prompt_ids: list[int]) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def engine_logits(engine: RankEngine, token_lists: list[list[int]]) -> list[torch.Tensor]:
-    """Logits at every position of each sequence, the sequences prefilled together in one step."""
+def engine_logits(engine: RankEngine, token_lists: list[list[int]],
+                  sequence_len: int | None = None) -> list[torch.Tensor]:
+    """Logits at every position of each sequence, the sequences prefilled together in one step; a LongRoPE
+    engine picks the factors by `sequence_len` (default: each sequence's length)."""
     bs = engine.config.build_config.tokens_per_block
     out, next_block = SchedulerOutput(), 0
     for tokens in token_lists:
@@ -54,7 +56,10 @@ def engine_logits(engine: RankEngine, token_lists: list[list[int]]) -> list[torc
         seq.block_table = list(range(next_block, next_block + nblocks))
         next_block += nblocks
         out.scheduled.append((seq, len(tokens)))
-    plan = plan_step(out, bs, tables_of([seq for seq, _ in out.scheduled]))
+    plan = plan_step(out, bs, tables_of([seq for seq, _ in out.scheduled]),
+                     bool(engine.config.pretrained_config.long_rope_threshold))
+    if sequence_len is not None and "sequence_lens" in plan.inputs:
+        plan.inputs["sequence_lens"].fill_(sequence_len)
     logits = engine(plan.inputs)
     result = []
     for (seq, _), (_, _, rows), (_, last) in zip(out.scheduled, plan.prompt_rows, plan.sample):

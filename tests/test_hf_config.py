@@ -189,6 +189,23 @@ def test_yarn_is_hfs_to_the_bit(scaling):
     assert rope.attention_factor(raw) == pytest.approx(want_factor, rel=1e-12)
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.75], ids=["phi3.5", "phi4-mini"])
+def test_longrope_is_hfs_to_the_bit(partial):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    pairs = int(SIZES["hidden_size"] // SIZES["num_attention_heads"] * partial) // 2
+    hf_cfg = transformers.Phi3Config(**SIZES, max_position_embeddings=131072, original_max_position_embeddings=4096,
+                                     partial_rotary_factor=partial, rope_scaling={
+                                         "type": "longrope", "short_factor": [1 + i / 50 for i in range(pairs)],
+                                         "long_factor": [1 + i * 4.0 for i in range(pairs)]}, pad_token_id=0)
+    ours = pretrained_config_from_hf(dict(hf_cfg.to_dict(), architectures=["Phi3ForCausalLM"]))
+    assert (ours.long_rope_threshold, ours.rotary_dim) == (4096, 2 * pairs)
+    for long, seq_len in ((False, None), (True, 4097)):
+        want_freq, want_factor = ROPE_INIT_FUNCTIONS["longrope"](hf_cfg, "cpu", seq_len=seq_len)
+        assert torch.equal(rope.inv_freq(ours, long=long), want_freq)
+        assert rope.attention_factor(ours) == pytest.approx(want_factor, rel=1e-12)
+
+
 def test_text_config(tmp_path, hf_model):
     """A text model nested in text_config with its weights under the multimodal prefixes converts
     like the plain causal LM."""
@@ -241,7 +258,23 @@ REFUSED = [
      "the rope dict's partial_rotary_factor 0.25 is not supported; expected 1.0"),
     ("llama", _rope({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0],
                      "original_max_position_embeddings": 64}),
-     "rope_type 'longrope' is not supported; expected one of default, linear, dynamic, llama3, yarn"),
+     "rope_type 'longrope' is supported for Phi3ForCausalLM only"),
+    ("phi3", _rope({"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16, "factor": 4.0}),
+     "rope longrope key(s) factor are not understood; expected only long_factor, original_max_position_embeddings, "
+     "short_factor"),
+    ("phi3", lambda hf: (_rope({"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+                                "original_max_position_embeddings": 64})(hf),
+                         hf.update(original_max_position_embeddings=4096)),
+     "original_max_position_embeddings is 64 in the rope dict but 4096 at the top level"),
+    ("phi3", _rope({"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}),
+     "rotary_scaling.short_factor has 3 factors; expected 16 (one per pair of the 32 rotary dims)"),
+    ("phi3", _rope({"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [0.0] * 16}),
+     "rope longrope long_factor [0.0, 0.0"),
+    ("phi3", lambda hf: (_rope({"rope_type": "default", "partial_rotary_factor": 0.75})(hf),
+                         hf.update(partial_rotary_factor=0.5)),
+     "partial_rotary_factor 0.5 and the rope dict's 0.75 disagree"),
+    ("phi3", _set(partial_rotary_factor=1.5),
+     "partial_rotary_factor 1.5 is not supported; expected a number in (0, 1]"),
     ("llama", _rope({"rope_type": "proportional", "rope_theta": 1e4}), "rope_type 'proportional' is not supported"),
     ("llama", _rope({"rope_type": "linear", "factor": 2.0, "mscale": 1.0}),
      "rope linear key(s) mscale are not understood; expected only factor"),

@@ -1,6 +1,7 @@
 """Checkpoints saved by transformers 4.57 and by 5.x, made from the real published configs of
-Llama-3.2, Qwen2.5, Qwen3, Mistral, a YaRN-scaled Qwen2.5, Granite-3.1, OLMo-2, SmolLM3 and the MoEs, convert
-to the same checkpoint and generate what HF generates (float32, greedy), on the aoti and eager backends.
+Llama-3.2, Qwen2.5, Qwen3, Mistral, a YaRN-scaled Qwen2.5, Granite-3.1, OLMo-2, SmolLM3, Phi-3/3.5/4-mini,
+Gemma 2/3 and the MoEs, convert to the same checkpoint and generate what HF generates (float32, greedy),
+on the aoti and eager backends.
 
 The 5.x side runs in another venv (KILN_TRANSFORMERS5_PYTHON, which `make test` sets): its
 transformers saves the models and answers for them (tests/published_models.py). Without it, only
@@ -13,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from conftest import TEST_BUILD
@@ -85,9 +87,10 @@ def test_both_majors_convert_to_the_same_checkpoint(name, oracles, checkpoints):
 
 
 # Every family eager, and compiled (aoti) once per architecture: qwen2.5-yarn and qwen2.5-swa are Qwen2's
-# (mistral-v0.1 compiles the sliding window); Mixtral's compiled engine is tests/test_moe.py's expert-parallel one.
+# (mistral-v0.1 compiles the sliding window, phi4-mini LongRoPE); Mixtral's compiled engine is
+# tests/test_moe.py's expert-parallel one.
 @pytest.mark.parametrize("name,backend", [(n, "eager") for n in FAMILIES] + [
-    (n, "aoti") for n in FAMILIES if n not in ("qwen2.5", "mixtral", "qwen2.5-swa")])
+    (n, "aoti") for n in FAMILIES if n not in ("qwen2.5", "mixtral", "qwen2.5-swa", "phi3.5")])
 def test_greedy_matches_hf(name, backend, oracles, engines, capsys):
     engine_dir, summary = engines(name, backend)
     assert "no tokenizer (none in" in summary, summary
@@ -97,10 +100,15 @@ def test_greedy_matches_hf(name, backend, oracles, engines, capsys):
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert all(o.outputs[0].text == "" for o in outs)
     generated = [o.outputs[0].token_ids for o in outs]
-    # Logits along the generated paths, all prompts prefilled in one step, against HF's per step.
-    ours = engine_logits(RankEngine(engine_dir, max_tokens_in_paged_kv_cache=4096),
-                         [p + g for p, g in zip(prompts, generated)])
-    ours = [got[len(p) - 1:len(p) - 1 + NEW_TOKENS] for p, got in zip(prompts, ours)]
+    # Logits along the generated paths, all prompts prefilled in one step, against HF's per step. LongRoPE:
+    # a step's logits come from its sequence's factors, short up to the switch and long past it.
+    engine = RankEngine(engine_dir, max_tokens_in_paged_kv_cache=4096)
+    switch = engine.config.pretrained_config.long_rope_threshold
+    paths = [p + g for p, g in zip(prompts, generated)]
+    long = engine_logits(engine, paths, switch + 1)
+    short = engine_logits(engine, paths, 1) if switch else long
+    ours = [torch.stack([(lg if len(p) + j > switch else sh)[len(p) - 1 + j] for j in range(NEW_TOKENS)])
+            for p, sh, lg in zip(prompts, short, long)]
     for version, by_name in sorted(oracles.items()):
         oracle = by_name[name]
         assert oracle["prompts"] == prompts

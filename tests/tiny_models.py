@@ -74,6 +74,11 @@ VARIANTS = {
     "gemma2_capped": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=12, attn_logit_softcapping=2.0,
         final_logit_softcapping=3.0, attn_implementation="eager")),
+    # Phi-4-mini's LongRoPE over 3/4 of each head: short factors up to 24 tokens, long ones past
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        partial_rotary_factor=0.75, original_max_position_embeddings=24, sliding_window=None,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                      "long_factor": [1.5 ** i for i in range(6)]})),
     # norms on the blocks' outputs, q/k norms over the whole projections; MQA
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
 }

@@ -3,7 +3,7 @@ import torch
 from torch.export import Dim
 
 from kiln.config import BuildConfig, PretrainedConfig, torch_dtype
-from kiln.engine.format import HIDDEN_STATES, kv_cache_dtype
+from kiln.engine.format import HIDDEN_STATES, SEQUENCE_LENS, kv_cache_dtype
 
 
 def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks: int = 16, rank: int = 0):
@@ -33,6 +33,8 @@ def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks:
     )
     if pp_rank > 0:
         inputs[HIDDEN_STATES] = torch.randn(T, pretrained.hidden_size).to(torch_dtype(pretrained.dtype))
+    if pretrained.long_rope_threshold:
+        inputs[SEQUENCE_LENS] = torch.full((T,), 7, dtype=torch.int64)
     return inputs
 
 
@@ -53,12 +55,12 @@ def dynamic_shapes(build: BuildConfig, inputs: dict):
     MBg = dim("gen_blocks", 1, build.max_blocks_per_seq, size("gen_block_tables", 1))
     N = dim("num_logits", 1, build.max_num_tokens, size("logits_index", 0))
     blocks = Dim("num_blocks", min=2, max=1 << 24)
-    hidden = {HIDDEN_STATES: {0: T}} if HIDDEN_STATES in inputs else {}
+    optional = {name: {0: T} for name in (HIDDEN_STATES, SEQUENCE_LENS) if name in inputs}
     return dict(
         input_ids={0: T}, positions={0: T}, slot_mapping={0: T},
         ctx_token_index={0: Sc, 1: Q}, ctx_block_tables={0: Sc, 1: MBc}, ctx_context_lens={0: Sc},
         gen_token_index={0: Sg}, gen_block_tables={0: Sg, 1: MBg}, gen_context_lens={0: Sg},
-        logits_index={0: N}, kv_cache={2: blocks}, **hidden,
+        logits_index={0: N}, kv_cache={2: blocks}, **optional,
     )
 
 

@@ -17,9 +17,9 @@ Keys read (for the families in FAMILIES; "refused" names the values that are):
 | max_position_embeddings | max_position_embeddings | |
 | hidden_act | silu ("swish" is the same function) | anything else |
 | rms_norm_eps | norm_epsilon | |
-| rope_theta, rope_scaling (4.x); rope_parameters (5.x) | rotary_base, rotary_scaling: default, linear (factor), dynamic (factor), llama3 (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), yarn (factor, original_max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate) | other rope types (longrope, proportional), unknown keys of a type, per-layer-type rope that differs between layers, the two schemas disagreeing |
-| original_max_position_embeddings (top level) | transformers 5 prefers it for llama3/yarn | a value transformers 4 would not use |
-| partial_rotary_factor (top level or in the rope dict) | | anything but 1.0 |
+| rope_theta, rope_scaling (4.x); rope_parameters (5.x) | rotary_base, rotary_scaling: default, linear (factor), dynamic (factor), llama3 (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), yarn (factor, original_max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate), longrope (Phi-3: short_factor, long_factor; original_max_position_embeddings) | other rope types (proportional, su), unknown keys of a type, per-layer-type rope that differs between layers, the two schemas disagreeing |
+| original_max_position_embeddings (top level) | transformers 5 prefers it for llama3/yarn; Phi-3's LongRoPE switch (absent: 4096) | a value transformers 4 would not use |
+| partial_rotary_factor (top level or in the rope dict) | Phi-3: partial_rotary_factor (the first head_size * factor dims of q and k rotate) | anything but 1.0 elsewhere; the two places disagreeing |
 | tie_word_embeddings | tie_word_embeddings | |
 | attention_bias (Llama, Qwen3, Qwen3-MoE, Granite, OLMo 2, SmolLM3) | | true (a bias on o_proj too); Qwen2's q/k/v bias is implied by its architecture |
 | qkv_bias (Qwen2-MoE) | attn_bias (biases on q/k/v, none on o_proj) | |
@@ -280,7 +280,7 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
     local_theta = None
     if family == "gemma3_text":  # sliding layers rotate with a base of their own
         hf, local_theta = _gemma3_local_rope(hf, get)
-    theta, scaling = rope_of(hf, max_pos, get("rope_theta"))
+    theta, scaling, partial_rotary = rope_of(hf, max_pos, get("rope_theta"), phi3=family == "phi3")
     window = _sliding_window(hf, family, get, max_pos)
     moe = _moe(hf, family, arch, get) if family in MOE_FAMILIES else {}
     extra = {}
@@ -307,6 +307,7 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
         norm_epsilon=float(get("rms_norm_eps")),
         rotary_base=theta,
         rotary_scaling=scaling,
+        partial_rotary_factor=partial_rotary,
         # Qwen2 always has q/k/v biases, Qwen2-MoE when qkv_bias says so (and neither on o_proj)
         attn_bias=family == "qwen2" or (family == "qwen2_moe" and bool(get("qkv_bias"))),
         qk_layernorm=family in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),

@@ -1,5 +1,6 @@
 """The rotary embedding of a Hugging Face config.json (kiln/convert/hf_config.py reads the rest): rope_theta
-and rope_scaling (transformers 4) or rope_parameters (5), with HF's meaning and every default filled in."""
+and rope_scaling (transformers 4) or rope_parameters (5), partial_rotary_factor, with HF's meaning and every
+default filled in."""
 from __future__ import annotations
 
 import json
@@ -14,15 +15,21 @@ ROPE_TYPES = {  # rope type -> the keys it reads besides rope_type/type/rope_the
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
     "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
              "mscale", "mscale_all_dim", "truncate"},
+    # Phi-3's only (transformers 4's Phi3Config refuses factor and attention_factor beside them)
+    "longrope": {"short_factor", "long_factor", "original_max_position_embeddings"},
 }
 # Rope types transformers implements and Kiln refuses (tests fail on a type in neither table).
-REFUSED_ROPE_TYPES = ("longrope", "proportional")
+REFUSED_ROPE_TYPES = ("proportional",)
+# Phi-3's default original_max_position_embeddings (a Phi3Config attribute in both majors).
+PHI3_ORIGINAL_MAX_POSITIONS = 4096
 _ROPE_REQUIRED = {"linear": {"factor"}, "dynamic": {"factor"},
-                  "llama3": {"factor", "low_freq_factor", "high_freq_factor"}, "yarn": {"factor"}}
+                  "llama3": {"factor", "low_freq_factor", "high_freq_factor"}, "yarn": {"factor"},
+                  "longrope": {"short_factor", "long_factor"}}
 
 
-def rope_of(hf: dict, max_pos: int, default_theta: float) -> tuple[float, dict | None]:
-    """rotary_base and rotary_scaling, as HF computes them from either schema."""
+def rope_of(hf: dict, max_pos: int, default_theta: float, phi3: bool = False) -> tuple[float, dict | None, float]:
+    """rotary_base, rotary_scaling and partial_rotary_factor, as HF computes them from either schema.
+    LongRoPE and partial rotary are read for Phi-3 only (the other families' HF attention has neither)."""
     legacy, params = hf.get("rope_scaling"), hf.get("rope_parameters")
     for key, value in (("rope_scaling", legacy), ("rope_parameters", params)):
         if value is not None and not isinstance(value, dict):
@@ -43,10 +50,10 @@ def rope_of(hf: dict, max_pos: int, default_theta: float) -> tuple[float, dict |
     if len(kinds) > 1:
         raise ConfigError(f"the rope dict's type and rope_type disagree ({', '.join(sorted(kinds))})")
     kind = kinds.pop() if kinds else "default"
-    for where, factor in (("", hf.get("partial_rotary_factor")), ("the rope dict's ", rope.pop("partial_rotary_factor", None))):
-        if factor is not None and float(factor) != 1.0:
-            raise ConfigError(f"{where}partial_rotary_factor {factor} is not supported; expected 1.0 "
-                              f"(rotary embedding over the whole head)")
+    partial = _partial_rotary_factor(hf.get("partial_rotary_factor"), rope.pop("partial_rotary_factor", None), phi3)
+    if kind == "longrope" and not phi3:
+        raise ConfigError("rope_type 'longrope' is supported for Phi3ForCausalLM only (the other families' HF "
+                          "attention does not switch factors)")
     if kind not in ROPE_TYPES:
         raise ConfigError(f"rope_type {kind!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
     unknown = sorted(set(rope) - ROPE_TYPES[kind])
@@ -59,12 +66,54 @@ def rope_of(hf: dict, max_pos: int, default_theta: float) -> tuple[float, dict |
     if missing:
         raise ConfigError(f"rope {kind} is missing {', '.join(missing)}")
     if kind == "default":
-        return theta, None
+        return theta, None, partial
     if kind in ("llama3", "yarn"):
         rope["original_max_position_embeddings"] = _original_max_pos(hf, rope, kind, max_pos)
     if kind == "yarn":
         rope = _yarn(rope, max_pos)
-    return theta, {"type": kind, **rope}
+    if kind == "longrope":
+        rope = _longrope(hf, rope, max_pos)
+    return theta, {"type": kind, **rope}, partial
+
+
+def _partial_rotary_factor(top, inner, phi3: bool) -> float:
+    # transformers 4 reads the top-level key, 5 the rope dict's (into which it copies the top-level one)
+    for where, factor in (("", top), ("the rope dict's ", inner)):
+        if factor is None:
+            continue
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise ConfigError(f"{where}partial_rotary_factor {factor!r} is not supported; expected a number "
+                              f"in (0, 1]")
+        if not phi3 and factor != 1:
+            raise ConfigError(f"{where}partial_rotary_factor {factor} is not supported; expected 1.0 "
+                              f"(rotary embedding over the whole head)")
+    if top is not None and inner is not None and float(top) != float(inner):
+        raise ConfigError(f"partial_rotary_factor {top} and the rope dict's {inner} disagree; expected one value "
+                          f"(transformers 4 reads the first, 5 the second)")
+    return float(next((f for f in (top, inner) if f is not None), 1.0))
+
+
+def _longrope(hf: dict, rope: dict, max_pos: int) -> dict:
+    """Phi-3's LongRoPE: short factors for a sequence up to original_max_position_embeddings, long ones
+    past it, and cos/sin times sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings / original."""
+    top, inner = hf.get("original_max_position_embeddings"), rope.get("original_max_position_embeddings")
+    original = PHI3_ORIGINAL_MAX_POSITIONS if top is None else top  # both majors: the top level, else 4096
+    if inner is not None and inner != original:
+        raise ConfigError(f"original_max_position_embeddings is {inner} in the rope dict but {original} at the top "
+                          f"level{' (by default)' if top is None else ''}; expected them equal (HF reads the "
+                          f"top-level one)")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ConfigError(f"original_max_position_embeddings {original!r} is not supported; expected an integer >= 1")
+    for key in ("short_factor", "long_factor"):
+        factors = rope[key]
+        if not isinstance(factors, list) or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors):
+            raise ConfigError(f"rope longrope {key} {factors!r} is not supported; expected a list of positive numbers")
+    scale = max_pos / original
+    attention_factor = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+    return {"short_factor": [float(f) for f in rope["short_factor"]],
+            "long_factor": [float(f) for f in rope["long_factor"]],
+            "original_max_position_embeddings": original, "attention_factor": attention_factor}
 
 
 def _one_rope_for_all_layers(params: dict | None, layer_types: list | None) -> dict | None:

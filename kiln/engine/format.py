@@ -19,6 +19,9 @@ STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "ctx_token_index", "ctx
 # Pipeline stages after the first also take the previous stage's output, [T, hidden_size]; a stage
 # before the last returns it instead of logits.
 HIDDEN_STATES = "hidden_states"
+# LongRoPE models (PretrainedConfig.long_rope_threshold) also take each token's sequence length, [T]
+# int64: the tokens of a sequence longer than the threshold rotate with the long factors.
+SEQUENCE_LENS = "sequence_lens"
 
 KV_CACHE_QUANT_DTYPES = {"FP8": torch.float8_e4m3fn, "INT8": torch.int8}
 
@@ -57,4 +60,4 @@ def warmup_inputs() -> dict:
                 ctx_token_index=torch.zeros(0, 1, **i64), ctx_block_tables=torch.zeros(0, 1, **i32),
                 ctx_context_lens=torch.zeros(0, **i32), gen_token_index=torch.zeros(1, **i64),
                 gen_block_tables=torch.zeros(1, 1, **i32), gen_context_lens=torch.ones(1, **i32),
-                logits_index=torch.zeros(1, **i64))
+                logits_index=torch.zeros(1, **i64), sequence_lens=torch.ones(1, **i64))

@@ -8,8 +8,8 @@ import torch.utils._pytree as pytree
 
 from kiln.config import ConfigError, EngineConfig
 from kiln.engine import extraction
-from kiln.engine.format import (HIDDEN_STATES, STEP_INPUTS, engine_file, kv_cache_dtype, plugin_config,
-                               uses_cpp_plugins)
+from kiln.engine.format import (HIDDEN_STATES, SEQUENCE_LENS, STEP_INPUTS, engine_file, kv_cache_dtype,
+                               plugin_config, uses_cpp_plugins)
 
 
 class AOTIModel:
@@ -135,6 +135,8 @@ class RankEngine:
     def __call__(self, inputs: dict, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """Logits; or, on a pipeline stage before the last, the hidden states for the next one."""
         extra = {} if hidden_states is None else {HIDDEN_STATES: hidden_states}
+        if self.config.pretrained_config.long_rope_threshold:
+            extra[SEQUENCE_LENS] = inputs[SEQUENCE_LENS]
         return self.model(**{name: inputs[name] for name in STEP_INPUTS[:-1]}, kv_cache=self.kv_cache, **extra)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -125,6 +125,8 @@ class LlamaForCausalLM(nn.Module):
         if self.is_last:
             self._init_head(weights, quantize_lm_head)
         self.register_buffer("inv_freq", rope.inv_freq(config), persistent=False)
+        self.register_buffer("inv_freq_long", rope.inv_freq(config, long=True) if config.long_rope_threshold else None,
+                             persistent=False)
         # Gemma 3: sliding layers rotate with a base of their own, unscaled
         self.local_rope = None if config.rotary_base_local is None else dataclasses.replace(
             config, rotary_base=config.rotary_base_local, rotary_scaling=None)
@@ -162,13 +164,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, slot_mapping, ctx_token_index, ctx_block_tables,
                 ctx_context_lens, gen_token_index, gen_block_tables, gen_context_lens, logits_index,
-                kv_cache, hidden_states=None):
+                kv_cache, hidden_states=None, sequence_lens=None):
         o, T = self.ops, input_ids.shape[0]
         H, KH, D = self.num_heads, self.num_kv_heads, self.head_size
         rope_lens = None
         if (self.config.rotary_scaling or {}).get("type") == "dynamic":
             rope_lens = _rope_lens(positions, ctx_token_index, ctx_context_lens)
-        cos, sin = rope.cos_sin(self.config, self.inv_freq, positions, rope_lens)
+        cos, sin = rope.cos_sin(self.config, self.inv_freq, positions, rope_lens, self.inv_freq_long, sequence_lens)
         if self.local_rope is not None:
             cos_local, sin_local = rope.cos_sin(self.local_rope, self.inv_freq_local, positions)
 

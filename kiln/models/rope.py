@@ -1,4 +1,5 @@
-"""Rotary position embedding frequencies, with HF's scaling types (linear, dynamic NTK, llama3, YaRN)."""
+"""Rotary position embedding frequencies, with HF's scaling types (linear, dynamic NTK, llama3, YaRN,
+LongRoPE), over the first rotary_dim dims of each head."""
 import math
 
 import torch
@@ -6,12 +7,17 @@ import torch
 from kiln.config import PretrainedConfig
 
 
-def inv_freq(config: PretrainedConfig) -> torch.Tensor:
-    dim = config.head_size
-    freq = 1.0 / (config.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def inv_freq(config: PretrainedConfig, long: bool = False) -> torch.Tensor:
+    """long: LongRoPE's frequencies for sequences past original_max_position_embeddings."""
+    dim = config.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    freq = 1.0 / (config.rotary_base ** exponents)
     scaling = config.rotary_scaling or {}
     kind = scaling.get("type")
-    if kind == "linear":
+    if kind == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        freq = 1.0 / (factors * config.rotary_base ** exponents)
+    elif kind == "linear":
         freq = freq / scaling["factor"]
     elif kind == "llama3":
         freq = _llama3(freq, scaling)
@@ -21,8 +27,10 @@ def inv_freq(config: PretrainedConfig) -> torch.Tensor:
 
 
 def attention_factor(config: PretrainedConfig) -> float:
-    """What cos and sin are multiplied by (so q.k by its square): YaRN's mscale, else 1."""
+    """What cos and sin are multiplied by (so q.k by its square): YaRN's mscale, LongRoPE's factor, else 1."""
     scaling = config.rotary_scaling or {}
+    if scaling.get("type") == "longrope":
+        return scaling["attention_factor"]
     if scaling.get("type") != "yarn":
         return 1.0
     return yarn_parameters(config, scaling)["attention_factor"]
@@ -62,7 +70,7 @@ def yarn_parameters(config: PretrainedConfig, scaling: dict) -> dict:
 def _yarn(config: PretrainedConfig, scaling: dict) -> torch.Tensor:
     # As transformers' _compute_yarn_parameters, expression for expression (float32 rounding included).
     p = yarn_parameters(config, scaling)
-    dim, base = config.head_size, config.rotary_base
+    dim, base = config.rotary_dim, config.rotary_base
 
     def correction_dim(rotations):
         return (dim * math.log(p["original"] / (rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -80,19 +88,24 @@ def _yarn(config: PretrainedConfig, scaling: dict) -> torch.Tensor:
 
 
 def cos_sin(config: PretrainedConfig, freq: torch.Tensor, positions: torch.Tensor,
-            rope_lens: torch.Tensor | None = None):
-    """cos/sin [T, head_size / 2] for each token, times the scaling type's attention factor.
+            rope_lens: torch.Tensor | None = None, long_freq: torch.Tensor | None = None,
+            sequence_lens: torch.Tensor | None = None):
+    """cos/sin [T, rotary_dim / 2] for each token, times the scaling type's attention factor.
 
     Dynamic NTK scaling (as HF applies it) stretches the base once a sequence runs past
     max_position_embeddings, by how far the forward pass that computes the token reaches:
-    `rope_lens` gives that length per token.
+    `rope_lens` gives that length per token. LongRoPE rotates the tokens of sequences longer than
+    original_max_position_embeddings (`sequence_lens`, per token) by `long_freq` instead.
     """
     pos = positions.float()[:, None]
     scaling = config.rotary_scaling or {}
-    if scaling.get("type") != "dynamic":
+    if scaling.get("type") == "longrope":
+        long = (sequence_lens > config.long_rope_threshold)[:, None]
+        angles = pos * torch.where(long, long_freq[None, :], freq[None, :])
+    elif scaling.get("type") != "dynamic":
         angles = pos * freq[None, :]
     else:
-        dim, max_pos, factor = config.head_size, config.max_position_embeddings, scaling["factor"]
+        dim, max_pos, factor = config.rotary_dim, config.max_position_embeddings, scaling["factor"]
         seq_len = torch.clamp(rope_lens.float(), min=max_pos)[:, None]
         base = config.rotary_base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim

@@ -140,10 +140,14 @@ def blocks_for(num_tokens: int, tokens_per_block: int) -> int:
     return -(-num_tokens // tokens_per_block)
 
 
-def request_blocks(num_prompt_tokens: int, max_len: int, n: int, tokens_per_block: int) -> tuple[int, int]:
+def request_blocks(num_prompt_tokens: int, max_len: int, n: int, tokens_per_block: int,
+                   long_rope_threshold: int = 0) -> tuple[int, int]:
     """Blocks a request can ever hold at once: (all n samples, each forked sample's own share).
-    The n samples share the prompt's full blocks; the rest each sample grows on its own."""
+    The n samples share the prompt's full blocks; the rest each sample grows on its own. A LongRoPE
+    sample growing past the threshold is recomputed into new blocks while the old may still be shared."""
     per_sample = blocks_for(max_len, tokens_per_block)
+    if long_rope_threshold and num_prompt_tokens <= long_rope_threshold < max_len:
+        per_sample += blocks_for(long_rope_threshold + 1, tokens_per_block)
     own = per_sample - num_prompt_tokens // tokens_per_block
     return per_sample + (n - 1) * own, own
 
@@ -167,6 +171,6 @@ class EngineInfo:
         sequences all at once, as a beam search's beams step)."""
         tpb, total = self.tokens_per_block, num_prompt_tokens + max_tokens
         if self.scheduler_policy == "guaranteed_no_evict" or together:
-            return request_blocks(num_prompt_tokens, total, n, tpb)[0]
+            return request_blocks(num_prompt_tokens, total, n, tpb, self.model_config.long_rope_threshold)[0]
         # samples may take turns (preemption), but the fork needs the prompt + n - 1 blocks at once
         return max(blocks_for(total, tpb), blocks_for(num_prompt_tokens, tpb) + n - 1)

@@ -84,7 +84,8 @@ class EngineCore:
         max_batch_size = _bounded("max_batch_size", max_batch_size, build.max_batch_size)
         self.kv = KVCacheManager(self.executor.num_blocks, build.tokens_per_block, max_batch_size,
                                  build.max_blocks_per_seq, enable_prefix_caching, prefix_cache_seed,
-                                 window=self.executor.config.pretrained_config.kv_window)
+                                 window=self.executor.config.pretrained_config.kv_window,
+                                 long_rope_threshold=self.executor.config.pretrained_config.long_rope_threshold)
         self.scheduler = Scheduler(self.kv, max_batch_size, _bounded("max_num_tokens", max_num_tokens,
                                                                      build.max_num_tokens),
                                    build.max_seq_len, scheduler_policy, enable_chunked_prefill)
@@ -219,7 +220,8 @@ class EngineCore:
             return None
         now = time.monotonic()
         self.iteration_stats.record(out.scheduled, self.scheduler.waiting)
-        return ScheduledStep(out, plan_step(out, self.build_config.tokens_per_block, self.kv.block_tables), now)
+        return ScheduledStep(out, plan_step(out, self.build_config.tokens_per_block, self.kv.block_tables,
+                                            bool(self.kv.long_rope_threshold)), now)
 
     def _process(self, step: ScheduledStep, logits: torch.Tensor) -> EngineCoreOutputs:
         """The step's logits into tokens and outputs. A sequence aborted while its step was in

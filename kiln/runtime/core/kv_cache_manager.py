@@ -10,6 +10,12 @@ the sequence grows (still findable by the prefix cache until reused), and their 
 sequence's block table become -1 (the attention kernels start at the window's first block), so the
 blocks a sequence holds stay bounded by its window however long it generates.
 
+LongRoPE (Phi-3.5, Phi-4-mini) rotates the keys of a sequence up to `long_rope_threshold` tokens long
+with its short factors and those of a longer one with its long factors. HF recomputes a sequence's
+keys when it first grows past the threshold; so does Kiln (`restart_with_long_rope`): its blocks go
+back to the pool and it is prefilled again from its first token. Blocks are hashed with the factors
+their keys were rotated with, so the prefix cache never mixes them.
+
 Each sequence holding blocks also has a row of `block_tables`, a tensor copy of its block table
 kept in step with it as blocks are added, so that a step's tables are gathered from rows instead of
 being built from Python lists every step (kiln/runtime/core/step_plan.py).
@@ -23,9 +29,11 @@ from kiln.runtime.messages import blocks_for, request_blocks
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, tokens_per_block: int, max_seqs: int, max_blocks_per_seq: int,
-                 enable_prefix_caching: bool = True, prefix_cache_seed: int | None = None, window: int = 0):
+                 enable_prefix_caching: bool = True, prefix_cache_seed: int | None = None, window: int = 0,
+                 long_rope_threshold: int = 0):
         self.pool = BlockPool(num_blocks)
         self.window = window
+        self.long_rope_threshold = long_rope_threshold
         self.tokens_per_block = tokens_per_block
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = BlockHasher(prefix_cache_seed)
@@ -37,7 +45,7 @@ class KVCacheManager:
         return blocks_for(num_tokens, self.tokens_per_block)
 
     def request_blocks(self, num_prompt_tokens: int, max_len: int, n: int) -> tuple[int, int]:
-        return request_blocks(num_prompt_tokens, max_len, n, self.tokens_per_block)
+        return request_blocks(num_prompt_tokens, max_len, n, self.tokens_per_block, self.long_rope_threshold)
 
     @property
     def num_available(self) -> int:
@@ -88,13 +96,18 @@ class KVCacheManager:
         tpb, hashes = self.tokens_per_block, seq.block_hashes
         for i in range(len(hashes), num_blocks):
             hashes.append(self.hasher(hashes[-1] if hashes else NONE, seq.token_ids[i * tpb:(i + 1) * tpb],
-                                      seq.request.extra_keys))
+                                      seq.request.extra_keys + (("long_rope",) if seq.long_rope else ())))
         return hashes[:num_blocks]
 
     def take_cached(self, seq: Sequence) -> int:
         """A sequence holding no blocks takes those of its longest cached prefix; returns the tokens
         they hold (now computed)."""
-        if not self.enable_prefix_caching or seq.block_table:
+        if seq.block_table:
+            return 0
+        long_rope = 0 < self.long_rope_threshold < seq.num_tokens
+        if long_rope != seq.long_rope:  # its K/V will be rotated differently: other hashes
+            seq.long_rope, seq.block_hashes = long_rope, []
+        if not self.enable_prefix_caching:
             return 0
         limit = min(seq.num_tokens - 1, seq.request.cacheable_tokens)
         hits = self.pool.lookup(self._hashes(seq, limit // self.tokens_per_block))
@@ -104,6 +117,18 @@ class KVCacheManager:
         seq.num_cached_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.tokens_per_block
         return seq.num_computed_tokens
+
+    def restart_with_long_rope(self, seq: Sequence) -> bool:
+        """Whether the sequence, its K/V rotated with LongRoPE's short factors, has grown past the
+        threshold: then it gives back its blocks (still findable by their hashes) and starts again from
+        its first token (or its longest prefix cached with the long factors)."""
+        if seq.long_rope or not 0 < self.long_rope_threshold < seq.num_tokens or not seq.block_table:
+            return False
+        self.cache_full_blocks(seq)
+        self.pool.release(seq.block_table)
+        seq.block_table, seq.num_cached_blocks, seq.num_computed_tokens = [], 0, 0
+        self.take_cached(seq)
+        return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Add the blocks the sequence has filled and computed since the last call to the cache."""

@@ -29,6 +29,7 @@ class Sequence:
     row: int = -1  # its row of the KV cache manager's block_tables while it holds blocks
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
     num_cached_blocks: int = 0  # leading blocks of block_table that are in the prefix cache
+    long_rope: bool = False  # LongRoPE: its K/V are rotated with the long factors (kv_cache_manager.py)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for this step, to be verified
     reserved_blocks: int = 0  # guaranteed_no_evict: blocks promised but not yet taken
     finish_reason: str | None = None

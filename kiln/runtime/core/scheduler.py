@@ -72,6 +72,8 @@ class Scheduler:
             if seq in in_flight or seq.num_computed_tokens == seq.num_tokens:  # or a beam waiting for the others
                 i += 1
                 continue
+            if self.kv.restart_with_long_rope(seq):  # prefilled again below, with the long factors
+                seq.draft_token_ids = []
             if seq.draft_token_ids:  # the last token and the drafts, if they fit without evicting anyone
                 n = 1 + len(seq.draft_token_ids)
                 if n <= budget and self.kv.allocate_slots(seq, n, held):

@@ -121,6 +121,8 @@ class DraftProposer:
         self.kv = KVCacheManager(self.executor.num_blocks, db.tokens_per_block, max_batch_size,
                                  db.max_blocks_per_seq, enable_prefix_caching=False)
         self.max_num_tokens = db.max_num_tokens
+        # A LongRoPE draft is not recomputed past its threshold: its proposals may get worse, never the output
+        self.sequence_lens = bool(draft.pretrained_config.long_rope_threshold)
         self.seqs: dict[int, object] = {}  # id(target sequence) -> its draft sequence
         self.vocab_size = tp.vocab_size
 
@@ -139,7 +141,7 @@ class DraftProposer:
         for _ in range(max((k for *_, k in live), default=0)):
             if not out.scheduled:
                 break
-            plan = plan_step(out, self.kv.tokens_per_block, self.kv.block_tables)
+            plan = plan_step(out, self.kv.tokens_per_block, self.kv.block_tables, self.sequence_lens)
             logits = self.executor.execute(plan.inputs)
             tokens = logits[[row for _, row in plan.sample]].argmax(-1).tolist()
             nxt = SchedulerOutput()

@@ -51,10 +51,11 @@ class MultiprocExecutor(Executor):
         self._pending = 0  # steps submitted and not collected
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
-        # A step's inputs: token-sized, [Sc, Qmax] (Sc * Qmax <= batch * tokens) and block tables.
+        # A step's inputs: token-sized (sequence_lens too), [Sc, Qmax] (Sc * Qmax <= batch * tokens) and
+        # block tables.
         T, B, MB = b.max_num_tokens, b.max_batch_size, b.max_blocks_per_seq
         self.steps = ShmRing.create("steps", max(2, self.max_concurrent_batches),
-                                    8 * (6 * T + B * T + 2 * B * MB + 8 * B) + (64 << 10))
+                                    8 * (7 * T + B * T + 2 * B * MB + 8 * B) + (64 << 10))
         # Logits of a batch of decodes; more (prompt logprobs) come through the reply pipe.
         self.results = ShmRing.create("logits", self.max_concurrent_batches,
                                       4 * max(B, 16) * p.vocab_size + (16 << 10))

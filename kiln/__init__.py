@@ -1,14 +1,14 @@
 """Kiln: an ahead-of-time LLM engine compiler and runtime."""
 from kiln.version import __version__
 
-__all__ = ["__version__", "LLM", "AsyncLLM", "SamplingParams"]
+__all__ = ["__version__", "LLM", "AsyncLLM", "SamplingParams", "LoRARequest"]
 
 
 def __getattr__(name):
     # The runtime pulls in torch and transformers; keep `import kiln` (and CLI --help) light.
-    if name in ("LLM", "AsyncLLM", "SamplingParams"):
-        from kiln.runtime import sampling_params
+    if name in ("LLM", "AsyncLLM", "SamplingParams", "LoRARequest"):
+        from kiln.runtime import lora_request, sampling_params
         from kiln.runtime.frontend import async_llm, llm
-        return {"LLM": llm.LLM, "AsyncLLM": async_llm.AsyncLLM,
-                "SamplingParams": sampling_params.SamplingParams}[name]
+        return {"LLM": llm.LLM, "AsyncLLM": async_llm.AsyncLLM, "SamplingParams": sampling_params.SamplingParams,
+                "LoRARequest": lora_request.LoRARequest}[name]
     raise AttributeError(name)

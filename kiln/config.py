@@ -418,6 +418,9 @@ class BuildConfig:
     build_cpu: str | None = None
     # How busy the machine was while the tactics were timed (kiln.plugins.tactics.MachineLoad).
     tactic_timing_load: dict | None = None
+    # LoRA (TensorRT-LLM's lora_config): {"max_lora_rank": R, "lora_target_modules": [...]} builds the
+    # per-token adapter updates into the step (kiln/models/lora.py); None: no adapters.
+    lora_config: dict | None = None
     kiln_version: str = __version__
     target_device: str = "cpu"
 

@@ -112,6 +112,10 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
         check_quantization(pretrained)
     except ConfigError as e:
         raise ConfigError(f"{checkpoint_dir / 'config.json'}: {e}") from None
+    if build.lora_config is not None:
+        from kiln.models.lora import check_lora_config
+
+        check_lora_config(build.lora_config, pretrained)
     kv_algo = pretrained.quantization.kv_cache_quant_algo
     if build.plugin_config.get("gpt_attention_plugin") is None:
         # Measured (benchmarks/step_profile.py, SmolLM-135M shape, bf16): the C++ plugin's decode step

@@ -52,6 +52,16 @@ BUILD_OPTIONS = [
                       "(the checkpoint's group size). auto: int8 for int8/int4 weight-only checkpoints, whose "
                       "decode reads the bf16 lm_head more than all their layers (measured lossless), else none. "
                       "Needs --gemm_plugin cpp. A tied embedding reads its rows out of the same table."),
+    click.option("--lora_plugin", type=click.Choice(["auto", "disable"]), default="disable", show_default=True,
+                 help="auto: build in LoRA adapters' updates (--lora_target_modules, --max_lora_rank); the adapters "
+                      "themselves come with requests, in slots of the runtime's max_loras."),
+    click.option("--max_lora_rank", type=int, default=64, show_default=True,
+                 help="With --lora_plugin: the largest adapter rank the engine takes."),
+    click.option("--lora_target_modules", multiple=True,
+                 type=click.Choice(["attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_4h_to_h",
+                                    "mlp_gate"]),
+                 help="With --lora_plugin: the modules adapters may adapt (TensorRT-LLM's names; HF's q/k/v/o_proj, "
+                      "gate_proj, down_proj, up_proj in that order). Repeat, or give several after one flag."),
     click.option("--workers", type=int, default=1, show_default=True,
                  help="Rank engines compiled at once, each in a process of its own that reads only its "
                       "rank's weights (1: every rank in turn, in this process)."),
@@ -74,7 +84,7 @@ def build_options(f):
                    "none: pass the HF model dir).")
 @build_options
 def main(checkpoint_dir, output_dir, workers, tokenizer_dir, gpt_attention_plugin, gemm_plugin, elementwise_plugins,
-         **options):
+         lora_plugin, max_lora_rank, lora_target_modules, **options):
     """Compile a Kiln/TensorRT-LLM checkpoint into a serialized engine dir.
 
     The output is written to a temporary dir beside OUTPUT_DIR and renamed into place when
@@ -83,6 +93,10 @@ def main(checkpoint_dir, output_dir, workers, tokenizer_dir, gpt_attention_plugi
     from kiln.build.builder import build_engine
 
     try:
+        if lora_plugin == "auto":
+            options["lora_config"] = {"max_lora_rank": max_lora_rank, "lora_target_modules": list(lora_target_modules)}
+        elif lora_target_modules:
+            raise ConfigError("--lora_target_modules needs --lora_plugin auto")
         build = BuildConfig(**options)
         build.plugin_config["gpt_attention_plugin"] = gpt_attention_plugin
         build.plugin_config["gemm_plugin"] = gemm_plugin

@@ -3,7 +3,8 @@ import torch
 from torch.export import Dim
 
 from kiln.config import BuildConfig, PretrainedConfig, torch_dtype
-from kiln.engine.format import HIDDEN_STATES, SEQUENCE_LENS, kv_cache_dtype
+from kiln.engine.format import (HIDDEN_STATES, LORA_POOLS, LORA_SLOTS, SEQUENCE_LENS, kv_cache_dtype,
+                               lora_pool_shapes)
 
 
 def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks: int = 16, rank: int = 0):
@@ -35,6 +36,10 @@ def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks:
         inputs[HIDDEN_STATES] = torch.randn(T, pretrained.hidden_size).to(torch_dtype(pretrained.dtype))
     if pretrained.long_rope_threshold:
         inputs[SEQUENCE_LENS] = torch.full((T,), 7, dtype=torch.int64)
+    if build.lora_config is not None:
+        inputs[LORA_SLOTS] = torch.arange(T, dtype=torch.int64) % 4 - 1  # slots 0..2, and -1: the base model
+        inputs[LORA_POOLS] = {m: torch.zeros(shape, dtype=torch_dtype(pretrained.dtype))
+                              for m, shape in lora_pool_shapes(pretrained, build, rank, 3).items()}
     return inputs
 
 
@@ -55,7 +60,10 @@ def dynamic_shapes(build: BuildConfig, inputs: dict):
     MBg = dim("gen_blocks", 1, build.max_blocks_per_seq, size("gen_block_tables", 1))
     N = dim("num_logits", 1, build.max_num_tokens, size("logits_index", 0))
     blocks = Dim("num_blocks", min=2, max=1 << 24)
-    optional = {name: {0: T} for name in (HIDDEN_STATES, SEQUENCE_LENS) if name in inputs}
+    optional = {name: {0: T} for name in (HIDDEN_STATES, SEQUENCE_LENS, LORA_SLOTS) if name in inputs}
+    if LORA_POOLS in inputs:
+        slots = Dim("max_loras", min=1, max=1 << 12)
+        optional[LORA_POOLS] = {m: {1: slots} for m in inputs[LORA_POOLS]}
     return dict(
         input_ids={0: T}, positions={0: T}, slot_mapping={0: T},
         ctx_token_index={0: Sc, 1: Q}, ctx_block_tables={0: Sc, 1: MBc}, ctx_context_lens={0: Sc},

@@ -22,8 +22,21 @@ HIDDEN_STATES = "hidden_states"
 # LongRoPE models (PretrainedConfig.long_rope_threshold) also take each token's sequence length, [T]
 # int64: the tokens of a sequence longer than the threshold rotate with the long factors.
 SEQUENCE_LENS = "sequence_lens"
+# LoRA engines (BuildConfig.lora_config) also take each token's adapter slot, [T] int64 (-1: none), and
+# the adapter pools, a dict of target module -> [layers, slots, max_lora_rank, in + out] (kiln/models/lora.py).
+LORA_SLOTS, LORA_POOLS = "lora_slots", "lora_pools"
 
 KV_CACHE_QUANT_DTYPES = {"FP8": torch.float8_e4m3fn, "INT8": torch.int8}
+
+
+def lora_pool_shapes(pretrained: PretrainedConfig, build: BuildConfig, rank: int,
+                     max_loras: int) -> dict[str, tuple[int, ...]]:
+    from kiln.models.lora import module_shapes
+
+    layers = len(pretrained.layers_of(pretrained.mapping.pp_rank(rank)))
+    shapes = module_shapes(pretrained)
+    return {m: (layers, max_loras, build.lora_config["max_lora_rank"], sum(shapes[m]))
+            for m in build.lora_config["lora_target_modules"]}
 
 
 def engine_file(engine_dir, rank: int) -> Path:
@@ -60,4 +73,5 @@ def warmup_inputs() -> dict:
                 ctx_token_index=torch.zeros(0, 1, **i64), ctx_block_tables=torch.zeros(0, 1, **i32),
                 ctx_context_lens=torch.zeros(0, **i32), gen_token_index=torch.zeros(1, **i64),
                 gen_block_tables=torch.zeros(1, 1, **i32), gen_context_lens=torch.ones(1, **i32),
-                logits_index=torch.zeros(1, **i64), sequence_lens=torch.ones(1, **i64))
+                logits_index=torch.zeros(1, **i64), sequence_lens=torch.ones(1, **i64),
+                lora_slots=torch.full((1,), -1, **i64))

@@ -6,10 +6,10 @@ import psutil
 import torch
 import torch.utils._pytree as pytree
 
-from kiln.config import ConfigError, EngineConfig
+from kiln.config import ConfigError, EngineConfig, torch_dtype
 from kiln.engine import extraction
-from kiln.engine.format import (HIDDEN_STATES, SEQUENCE_LENS, STEP_INPUTS, engine_file, kv_cache_dtype,
-                               plugin_config, uses_cpp_plugins)
+from kiln.engine.format import (HIDDEN_STATES, LORA_POOLS, LORA_SLOTS, SEQUENCE_LENS, STEP_INPUTS, engine_file,
+                               kv_cache_dtype, lora_pool_shapes, plugin_config, uses_cpp_plugins)
 
 
 class AOTIModel:
@@ -20,11 +20,11 @@ class AOTIModel:
     def __init__(self, loader, serial_loops: bool = False):
         self.loader = loader
         in_spec, self.out_spec = (pytree.treespec_loads(spec) for spec in loader.get_call_spec())
-        self.input_names = in_spec.child(1).context  # the order the package takes its keyword arguments in
+        self.in_spec = in_spec.child(1)  # the order the package takes its keyword arguments in
         self.serial_loops = serial_loops
 
     def __call__(self, **inputs):
-        args = [inputs[name] for name in self.input_names]
+        args = _leaves(inputs, self.in_spec)
         if not self.serial_loops:
             return pytree.tree_unflatten(self.loader.boxed_run(args), self.out_spec)
         # The graph's own loops (norms, rope, activations: OpenMP regions, each ending in a barrier
@@ -34,6 +34,13 @@ class AOTIModel:
             return pytree.tree_unflatten(self.loader.boxed_run(args), self.out_spec)
         finally:
             torch.ops.kiln_cpp.serial_loops_end(previous)
+
+
+def _leaves(value, spec) -> list:
+    """The tensors of `value` in the order of `spec` (dicts by its keys: the lora_pools dict too)."""
+    if spec.type is dict:
+        return [leaf for key, child in zip(spec.context, spec.children_specs) for leaf in _leaves(value[key], child)]
+    return [value]
 
 
 def serial_graph_loops(engine_dir: Path) -> bool:
@@ -76,7 +83,7 @@ class RankEngine:
 
     def __init__(self, engine_dir, kv_cache_free_mem_fraction: float | None = None,
                  max_tokens_in_paged_kv_cache: int | None = None, *, rank: int = 0,
-                 ranks_per_machine: int = 1, allocate: bool = True):
+                 ranks_per_machine: int = 1, allocate: bool = True, max_loras: int = 4):
         self.engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(self.engine_dir)
         pretrained, build = self.config.pretrained_config, self.config.build_config
@@ -103,6 +110,13 @@ class RankEngine:
         self.kv_cache = None
         if allocate:
             self.allocate(self.num_blocks)
+        # LoRA engines: max_loras adapter slots per target module, filled by set_lora
+        self.lora_pools = None
+        if build.lora_config is not None:
+            if max_loras < 1:
+                raise ConfigError(f"max_loras must be >= 1 for a LoRA engine, got {max_loras}")
+            self.lora_pools = {m: torch.zeros(shape, dtype=torch_dtype(pretrained.dtype))
+                               for m, shape in lora_pool_shapes(pretrained, build, rank, max_loras).items()}
 
     def allocate(self, num_blocks: int) -> None:
         p, b = self.config.pretrained_config, self.config.build_config
@@ -137,7 +151,24 @@ class RankEngine:
         extra = {} if hidden_states is None else {HIDDEN_STATES: hidden_states}
         if self.config.pretrained_config.long_rope_threshold:
             extra[SEQUENCE_LENS] = inputs[SEQUENCE_LENS]
+        if self.lora_pools is not None:
+            slots = inputs.get(LORA_SLOTS)
+            extra[LORA_SLOTS] = torch.full_like(inputs["input_ids"], -1) if slots is None else slots
+            extra[LORA_POOLS] = self.lora_pools
         return self.model(**{name: inputs[name] for name in STEP_INPUTS[:-1]}, kv_cache=self.kv_cache, **extra)
+
+    def set_lora(self, slot: int, weights: dict | None) -> None:
+        """Adapter slot `slot` holds `weights` (module -> [(A [r, in], B [out, r] scaled) or None per layer
+        of the stage], this rank's share: kiln.convert.lora.rank_weights), or nothing (None)."""
+        for m, pool in self.lora_pools.items():
+            pool[:, slot].zero_()
+            for layer, pair in enumerate((weights or {}).get(m, ())):
+                if pair is None:
+                    continue
+                a, b = pair
+                r, k = a.shape
+                pool[layer, slot, :r, :k] = a
+                pool[layer, slot, :r, k:] = b.t()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

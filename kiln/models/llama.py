@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ELEMENTWISE_PLUGINS, PretrainedConfig, torch_dtype
-from kiln.models import rope
+from kiln.models import lora, rope
 from kiln.models.linear import make_linear, packed_lm_head, tensor_specs
 from kiln.models.moe import MoeMLP, moe_tensor_specs
 from kiln.models.parallel import TensorParallel
@@ -83,10 +83,16 @@ class LlamaLayer(nn.Module):
             self.gate_up = linear("mlp.fc", "mlp.gate")
             self.proj = linear("mlp.proj")
 
-    def mlp(self, x, act_and_mul):
+    def mlp(self, x, act_and_mul, adapt=None):
+        """adapt(out, inp, module): out plus the LoRA update of `module` (engines with a LoRA plugin)."""
         if self.moe is not None:
             return self.moe(x, act_and_mul)
-        return self.proj(act_and_mul(self.gate_up(x)))
+        up = self.gate_up(x)
+        if adapt is None:
+            return self.proj(act_and_mul(up))
+        fc, gate = up.chunk(2, dim=-1)
+        h = act_and_mul(torch.cat([adapt(fc, x, "mlp_h_to_4h"), adapt(gate, x, "mlp_gate")], dim=-1))
+        return adapt(self.proj(h), h, "mlp_4h_to_h")
 
 
 def norm_weight(config: PretrainedConfig, weight: torch.Tensor) -> torch.Tensor:
@@ -164,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, slot_mapping, ctx_token_index, ctx_block_tables,
                 ctx_context_lens, gen_token_index, gen_block_tables, gen_context_lens, logits_index,
-                kv_cache, hidden_states=None, sequence_lens=None):
+                kv_cache, hidden_states=None, sequence_lens=None, lora_slots=None, lora_pools=None):
         o, T = self.ops, input_ids.shape[0]
         H, KH, D = self.num_heads, self.num_kv_heads, self.head_size
         rope_lens = None
@@ -175,6 +181,10 @@ class LlamaForCausalLM(nn.Module):
             cos_local, sin_local = rope.cos_sin(self.local_rope, self.inv_freq_local, positions)
 
         softcap = self.config.attn_logit_softcapping
+        mask = None
+        if lora_slots is not None:  # a LoRA engine: pools [layers, slots, rank, in + out] per target module
+            pool = next(iter(lora_pools.values()))
+            mask = lora.slot_mask(lora_slots, pool.shape[1], pool.dtype)
         hidden = self._embed(input_ids) if self.is_first else hidden_states
         if self.is_first and self.config.embedding_multiplier != 1:
             hidden = hidden * self.config.embedding_multiplier
@@ -182,8 +192,11 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, residual = self._block_input(hidden, residual, layer.input_layernorm)
             kv_scale = None if self.kv_scales is None else self.kv_scales[i]
+            adapt = None if mask is None else self._adapter(lora_pools, i, mask)
             qkv = layer.qkv(x)
             q, k, v = qkv.split([H * D, KH * D, KH * D], dim=-1)
+            if adapt is not None:
+                q, k, v = adapt(q, x, "attn_q"), adapt(k, x, "attn_k"), adapt(v, x, "attn_v")
             if layer.q_layernorm is not None and self.config.qk_layernorm_scope == "projection":
                 q = self._projection_norm(q, layer.q_layernorm, self.config.num_attention_heads)
                 k = self._projection_norm(k, layer.k_layernorm, self.config.num_key_value_heads)
@@ -201,9 +214,12 @@ class LlamaForCausalLM(nn.Module):
                                        *(() if kv_scale is None else (kv_scale,)),
                                        **({"window": layer.window} if layer.window else {}),
                                        **({"softcap": softcap} if softcap else {}))
-            hidden = self._block_output(layer.dense(attn.reshape(T, H * D)), layer.post_attention_layernorm)
+            attn = attn.reshape(T, H * D)
+            out = layer.dense(attn)
+            hidden = self._block_output(out if adapt is None else adapt(out, attn, "attn_dense"),
+                                        layer.post_attention_layernorm)
             x, residual = self._block_input(hidden, residual, layer.post_layernorm)
-            hidden = self._block_output(layer.mlp(x, self.act_and_mul), layer.post_feedforward_layernorm)
+            hidden = self._block_output(layer.mlp(x, self.act_and_mul, adapt), layer.post_feedforward_layernorm)
 
         if not self.is_last:  # the next stage starts from the residual stream, as a layer would
             return hidden + residual
@@ -220,6 +236,15 @@ class LlamaForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return self.tp.gather_logits(logits)[:, : self.config.vocab_size]
+
+    @staticmethod
+    def _adapter(pools: dict, i: int, mask: torch.Tensor):
+        """out + each token's LoRA update of `module` at the stage's layer i (row-parallel modules: this
+        rank's partial product, summed with the GEMM's by the block's all-reduce)."""
+        def adapt(out, inp, module):
+            pool = pools.get(module)
+            return out if pool is None else out + lora.delta(inp, mask, pool[i], inp.shape[-1])
+        return adapt
 
     def _block_input(self, hidden, residual, norm):
         """The residual stream with the last block's output added, and what the next block reads:

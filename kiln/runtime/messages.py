@@ -42,6 +42,7 @@ class EngineCoreRequest:
     eos_token_ids: tuple[int, ...]
     arrival_time: float
     cache_salt: str | None = None  # requests with different salts never share cached blocks
+    lora_request: object = None  # kiln.runtime.lora_request.LoRARequest
 
 
 @dataclass

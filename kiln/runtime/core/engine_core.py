@@ -29,6 +29,7 @@ from kiln.runtime.core.sample.rows import SampleRow, make_generator
 from kiln.runtime.core.sample.sampler import Sampler
 from kiln.runtime.core.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.core.spec_decode import SpecDecoder
+from kiln.runtime.core.lora_slots import LoraSlots
 from kiln.runtime.core.step_plan import StepPlan, plan_step
 from kiln.runtime.core.structured_output import StructuredOutputManager
 from kiln.runtime.executor.factory import make_executor
@@ -76,9 +77,10 @@ class EngineCore:
                  max_num_tokens: int | None = None, kv_cache_free_mem_fraction: float | None = None,
                  max_tokens_in_paged_kv_cache: int | None = None, threads: int | None = None,
                  enable_prefix_caching: bool = True, prefix_cache_seed: int | None = None,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, max_loras: int = 4, max_cpu_loras: int | None = None):
         threads = configure_threads(threads)
-        self.executor = make_executor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache, threads)
+        self.executor = make_executor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache, threads,
+                                      max_loras)
         build = self.executor.config.build_config
         self.build_config = build
         max_batch_size = _bounded("max_batch_size", max_batch_size, build.max_batch_size)
@@ -88,7 +90,9 @@ class EngineCore:
                                  long_rope_threshold=self.executor.config.pretrained_config.long_rope_threshold)
         self.scheduler = Scheduler(self.kv, max_batch_size, _bounded("max_num_tokens", max_num_tokens,
                                                                      build.max_num_tokens),
-                                   build.max_seq_len, scheduler_policy, enable_chunked_prefill)
+                                   build.max_seq_len, scheduler_policy, enable_chunked_prefill,
+                                   None if build.lora_config is None else
+                                   LoraSlots(self.executor, max_loras, max_cpu_loras or max_loras))
         self.sampler = Sampler()
         self.structured = StructuredOutputManager(engine_dir, self.executor.config.pretrained_config.vocab_size,
                                                   overlap=threads < available_cpus())
@@ -106,8 +110,10 @@ class EngineCore:
     def add_request(self, r: EngineCoreRequest) -> None:
         # The frontend only reuses an id it has finished (a stop string) that the core still runs.
         self.abort(r.request_id)
-        req = Request(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids,
-                      () if r.cache_salt is None else (r.cache_salt,), arrival_time=r.arrival_time,
+        keys = (() if r.cache_salt is None else (r.cache_salt,)) + (
+            () if r.lora_request is None else (("lora", r.lora_request.lora_int_id),))
+        req = Request(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids, keys,
+                      lora_request=r.lora_request, arrival_time=r.arrival_time,
                       forked=r.params.n == 1 and not r.params.use_beam_search)
         if r.params.use_beam_search:
             req.beams = BeamGroup(r.params, r.max_tokens, r.eos_token_ids)
@@ -221,7 +227,7 @@ class EngineCore:
         now = time.monotonic()
         self.iteration_stats.record(out.scheduled, self.scheduler.waiting)
         return ScheduledStep(out, plan_step(out, self.build_config.tokens_per_block, self.kv.block_tables,
-                                            bool(self.kv.long_rope_threshold)), now)
+                                            bool(self.kv.long_rope_threshold), self.scheduler.loras is not None), now)
 
     def _process(self, step: ScheduledStep, logits: torch.Tensor) -> EngineCoreOutputs:
         """The step's logits into tokens and outputs. A sequence aborted while its step was in

@@ -43,7 +43,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_batch_size: int, max_num_tokens: int,
-                 max_seq_len: int, policy: str = "max_utilization", enable_chunked_prefill: bool = True):
+                 max_seq_len: int, policy: str = "max_utilization", enable_chunked_prefill: bool = True,
+                 loras=None):
         if policy not in POLICIES:
             raise ValueError(f"scheduler policy {policy!r} is not supported; expected one of {', '.join(POLICIES)}")
         self.kv = kv
@@ -52,6 +53,7 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.policy = policy
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.loras = loras  # LoRA engines: the adapter slots (lora_slots.py), held by running sequences
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -124,6 +126,9 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, n, held + headroom):
                 self._unadmit(seq)
                 break
+            if self.loras is not None and not self.loras.acquire(seq):  # every slot busy with other adapters
+                self._unadmit(seq)
+                break
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = cached
             self.counters.prefix_cache_queries += seq.num_tokens
@@ -156,6 +161,8 @@ class Scheduler:
         """Recompute later: drop its KV and put it first in line, prompt and output kept."""
         self.running.remove(seq)
         self.kv.free(seq)
+        if self.loras is not None:
+            self.loras.release(seq)
         seq.num_computed_tokens = 0
         seq.draft_token_ids = []
         seq.status = Status.WAITING
@@ -166,6 +173,8 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+            if self.loras is not None:
+                self.loras.release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
@@ -176,3 +185,5 @@ class Scheduler:
         for seq in seqs:
             seq.status = Status.RUNNING
             self.running.append(seq)
+            if self.loras is not None:
+                self.loras.acquire(seq)  # the parent's slot, held once more

@@ -48,10 +48,11 @@ def _tables(block_tables: torch.Tensor, rows: list[int], width: int) -> torch.Te
 
 
 def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.Tensor,
-              sequence_lens: bool = False) -> StepPlan:
-    """sequence_lens: the engine takes each token's sequence length (LongRoPE, kiln/engine/format.py)."""
+              sequence_lens: bool = False, lora_slots: bool = False) -> StepPlan:
+    """sequence_lens, lora_slots: the engine takes each token's sequence length (LongRoPE) or adapter
+    slot (LoRA) too (kiln/engine/format.py)."""
     tpb = tokens_per_block
-    input_ids, positions, slots, lens = [], [], [], []
+    input_ids, positions, slots, lens, adapters = [], [], [], [], []
     ctx_index, ctx_rows, ctx_lens = [], [], []
     gen_index, gen_rows, gen_lens = [], [], []
     logits_index = []
@@ -62,6 +63,8 @@ def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.T
         table = seq.block_table
         if sequence_lens:
             lens.extend([seq.num_tokens] * n)
+        if lora_slots:
+            adapters.extend([seq.request.lora_slot if seq.request.lora_request else -1] * n)
         if n == 1:
             input_ids.append(seq.token_ids[start])
             positions.append(start)
@@ -92,9 +95,9 @@ def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.T
 
     # Two host-to-tensor conversions per step (one per dtype), split into views: at batch 1 the
     # step's host time is mostly per-op overhead, paid again on caches the engine call just evicted.
-    sizes = (len(input_ids), len(positions), len(slots), len(gen_index), len(logits_index), len(lens))
-    ids, pos, slot_mapping, gen_token_index, logits, seq_lens = torch.tensor(
-        input_ids + positions + slots + gen_index + logits_index + lens, **I64).split(sizes)
+    sizes = (len(input_ids), len(positions), len(slots), len(gen_index), len(logits_index), len(lens), len(adapters))
+    ids, pos, slot_mapping, gen_token_index, logits, seq_lens, lora = torch.tensor(
+        input_ids + positions + slots + gen_index + logits_index + lens + adapters, **I64).split(sizes)
     ctx_context_lens, gen_context_lens = torch.tensor(ctx_lens + gen_lens, dtype=torch.int32).split(
         (len(ctx_lens), len(gen_lens)))
     width = max((len(r) for r in ctx_index), default=1)
@@ -114,4 +117,6 @@ def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.T
     )
     if sequence_lens:
         plan.inputs["sequence_lens"] = seq_lens
+    if lora_slots:
+        plan.inputs["lora_slots"] = lora
     return plan

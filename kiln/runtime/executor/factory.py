@@ -2,7 +2,7 @@
 ranks torchrun started (kiln.launch says so in the environment)."""
 import os
 
-from kiln.config import EngineConfig
+from kiln.config import ConfigError, EngineConfig
 from kiln.runtime.executor.base import Executor
 from kiln.runtime.executor.multiproc import MultiprocExecutor
 from kiln.runtime.executor.torchrun import TorchrunExecutor
@@ -13,10 +13,14 @@ EXECUTOR_ENV = "KILN_EXECUTOR"
 
 
 def make_executor(engine_dir, kv_cache_free_mem_fraction: float | None = None,
-                  max_tokens_in_paged_kv_cache: int | None = None, threads: int = 1) -> Executor:
-    world = EngineConfig.load(engine_dir).pretrained_config.mapping.world_size
+                  max_tokens_in_paged_kv_cache: int | None = None, threads: int = 1, max_loras: int = 4) -> Executor:
+    config = EngineConfig.load(engine_dir)
+    world = config.pretrained_config.mapping.world_size
     if world == 1:
-        return UniprocExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
+        return UniprocExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache, max_loras)
+    if config.build_config.lora_config is not None:
+        raise ConfigError(f"{engine_dir}: LoRA engines of more than one rank are not supported yet (world_size "
+                          f"{world}); build it with tp_size = pp_size = 1")
     if os.environ.get(EXECUTOR_ENV) == "torchrun":
         return TorchrunExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
     return MultiprocExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache, threads)

@@ -10,10 +10,13 @@ from kiln.runtime.sampling_params import SamplingParams
 class InputProcessor:
     def __init__(self, info: EngineInfo, tokenizer, eos_token_ids: tuple[int, ...]):
         self.info, self.tokenizer, self.eos_token_ids = info, tokenizer, eos_token_ids
+        self.loras: dict[int, str] = {}  # adapters checked: lora_int_id -> path
 
-    def process(self, request_id: str, prompt, params: SamplingParams | None) -> tuple[EngineCoreRequest,
-                                                                                         RequestState]:
+    def process(self, request_id: str, prompt, params: SamplingParams | None,
+                lora_request=None) -> tuple[EngineCoreRequest, RequestState]:
         params = params or SamplingParams()
+        if lora_request is not None:
+            self._check_lora(lora_request)
         text, token_ids = self._tokenize(prompt)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
@@ -52,8 +55,26 @@ class InputProcessor:
             raise ValueError("stop strings need a tokenizer, and this engine was loaded with "
                              "skip_tokenizer_init; use stop_token_ids")
         now = time.monotonic()
-        return (EngineCoreRequest(request_id, token_ids, params, max_tokens, self.eos_token_ids, now, salt),
+        return (EngineCoreRequest(request_id, token_ids, params, max_tokens, self.eos_token_ids, now, salt, lora_request),
                 RequestState(request_id, text, token_ids, params, now))
+
+    def _check_lora(self, lora) -> None:
+        """The adapter is one the engine runs (read once per lora_int_id; a bad one fails its request)."""
+        from kiln.convert.lora import check_adapter, read_adapter
+        from kiln.runtime.lora_request import LoRARequest
+
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        lora_config = self.info.build_config.lora_config
+        if lora_config is None:
+            raise ValueError(f"request names LoRA adapter {lora.lora_name!r}, but the engine was built without "
+                             f"adapters (engine-build --lora_plugin auto --lora_target_modules ...)")
+        known = self.loras.get(lora.lora_int_id)
+        if known is not None and known != str(lora.lora_path):
+            raise ValueError(f"lora_int_id {lora.lora_int_id} names {known}; {lora.lora_path} needs an id of its own")
+        if known is None:
+            check_adapter(read_adapter(lora.lora_path), self.info.model_config, lora_config)
+            self.loras[lora.lora_int_id] = str(lora.lora_path)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

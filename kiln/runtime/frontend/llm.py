@@ -19,7 +19,8 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
+        """lora_request: a LoRARequest for every prompt, or a list of one (or None) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -28,11 +29,14 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
-                ids.append(engine.add_request(prompt, params))
+            for prompt, params, lora in zip(prompts, sampling_params, loras):
+                ids.append(engine.add_request(prompt, params, lora_request=lora))
         except Exception:
             for rid in ids:
                 engine.abort(rid)

@@ -37,11 +37,12 @@ class LLMEngine:
         """The engine core itself, when it runs in this thread (tests, profiling)."""
         return self.client.core
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    lora_request=None) -> str:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        core_request, state = self.input_processor.process(request_id, prompt, params)
+        core_request, state = self.input_processor.process(request_id, prompt, params, lora_request)
         self.output_processor.add(state)
         self.client.add_request(core_request)
         return request_id

@@ -1,0 +1,141 @@
+"""Hugging Face PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors) -> each rank's
+adapter weights in TensorRT-LLM's layout: per target module and layer, A [r, in] and B [out, r] with
+alpha / r (rsLoRA: alpha / sqrt(r)) folded into B, split over tensor-parallel ranks as the layers they
+adapt (kiln/models/lora.py). Anything PEFT does that changes the math and Kiln does not implement is
+refused in one line (DoRA, modules_to_save, biases, per-module rank or alpha patterns, ...)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kiln.config import ConfigError, Mapping, PretrainedConfig, torch_dtype
+from kiln.convert.layout import output_ranges
+from kiln.models.lora import HF_MODULES, ROW_PARALLEL, module_shapes
+
+_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# PEFT keys that must be at their neutral value: what they would change, Kiln does not compute.
+_NEUTRAL = {"use_dora": False, "modules_to_save": None, "bias": "none", "rank_pattern": {}, "alpha_pattern": {},
+            "layers_to_transform": None, "layers_pattern": None, "fan_in_fan_out": False, "megatron_config": None,
+            "layer_replication": None, "lora_bias": False, "trainable_token_indices": None}
+
+
+@dataclass
+class Adapter:
+    """One PEFT adapter, read and checked: its rank, scale and every layer's A and B per Kiln module."""
+    path: Path
+    rank: int
+    scale: float
+    modules: list[str]  # TensorRT-LLM's names
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A, B)
+
+
+def read_adapter(adapter_dir) -> Adapter:
+    path = Path(adapter_dir)
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{config_file} not found (expected a PEFT LoRA adapter dir)")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config_file} is not valid JSON: {e}") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"{config_file}: peft_type {cfg.get('peft_type')!r} is not supported; expected 'LORA'")
+    for key, neutral in _NEUTRAL.items():
+        value = cfg.get(key, neutral)
+        if value != neutral and not (value in (None, [], {}) and neutral in (None, {})):
+            raise ConfigError(f"{config_file}: {key}={value!r} is not supported (expected {neutral!r}); "
+                              f"merge the adapter into the model instead")
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ConfigError(f"{config_file}: r {rank!r} is not supported; expected an integer >= 1")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ConfigError(f"{config_file}: lora_alpha {alpha!r} is not supported; expected a number")
+    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    weights = _read_weights(path)
+    pairs = {}
+    for key, t in weights.items():
+        m = _KEY.match(key)
+        if m is None or m.group(2) not in HF_MODULES:
+            raise ConfigError(f"{path}: adapter tensor {key} is not supported; expected lora_A/lora_B of "
+                              f"{', '.join(HF_MODULES)} in a decoder layer")
+        pairs.setdefault((int(m.group(1)), HF_MODULES[m.group(2)]), {})[m.group(3)] = t
+    for (layer, module), ab in pairs.items():
+        if set(ab) != {"A", "B"} or ab["A"].shape[0] != rank or ab["B"].shape[1] != rank:
+            raise ConfigError(f"{path}: layer {layer} {module}: expected lora_A [r={rank}, in] and lora_B "
+                              f"[out, r={rank}], got {({k: tuple(v.shape) for k, v in ab.items()})}")
+    if not pairs:
+        raise ConfigError(f"{path}: the adapter has no LoRA tensors")
+    return Adapter(path, rank, scale, sorted({m for _, m in pairs}),
+                   {k: (ab["A"].float(), ab["B"].float() * scale) for k, ab in pairs.items()})
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    file = path / "adapter_model.safetensors"
+    if file.is_file():
+        with safe_open(file, "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    if (path / "adapter_model.bin").is_file():
+        return torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
+    raise ConfigError(f"{path}: no adapter_model.safetensors (or adapter_model.bin)")
+
+
+def check_adapter(adapter: Adapter, config: PretrainedConfig, lora_config: dict) -> None:
+    """That the engine can run the adapter: its rank, modules and layers."""
+    allowed = lora_config["lora_target_modules"]
+    if adapter.rank > lora_config["max_lora_rank"]:
+        raise ConfigError(f"{adapter.path}: rank {adapter.rank} exceeds the engine's max_lora_rank "
+                          f"{lora_config['max_lora_rank']}")
+    extra = [m for m in adapter.modules if m not in allowed]
+    if extra:
+        raise ConfigError(f"{adapter.path}: adapts {', '.join(extra)}, which the engine was not built for "
+                          f"(--lora_target_modules {' '.join(allowed)})")
+    shapes = module_shapes(dataclasses.replace(config, mapping=Mapping()))
+    for (layer, module), (a, b) in adapter.weights.items():
+        if layer >= config.num_hidden_layers or (a.shape[1], b.shape[0]) != shapes[module]:
+            raise ConfigError(f"{adapter.path}: layer {layer} {module} is [{a.shape[1]} -> {b.shape[0]}]; the "
+                              f"model's is {'absent' if layer >= config.num_hidden_layers else shapes[module]} "
+                              f"(an adapter of another model?)")
+
+
+def rank_weights(adapter: Adapter, config: PretrainedConfig, lora_config: dict, rank: int
+                 ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The adapter's weights for rank `rank` of the engine: module -> [(A, B) for each layer of the
+    rank's pipeline stage, None where the adapter leaves the layer alone], in the model's dtype."""
+    check_adapter(adapter, config, lora_config)
+    dtype, tp_rank = torch_dtype(config.dtype), config.mapping.tp_rank(rank)
+    layers = config.layers_of(config.mapping.pp_rank(rank))
+    out = {}
+    for module in adapter.modules:
+        out[module] = []
+        for layer in layers:
+            pair = adapter.weights.get((layer, module))
+            if pair is not None:
+                a, b = _split(config, module, *pair, tp_rank)
+                pair = a.to(dtype), b.to(dtype)
+            out[module].append(pair)
+    return out
+
+
+def _split(config: PretrainedConfig, module: str, a: torch.Tensor, b: torch.Tensor, tp_rank: int):
+    """A's input columns of a row-parallel module, B's output rows of a column-parallel one."""
+    if config.mapping.tp_size == 1:
+        return a, b
+    hd = config.head_size
+    if module in ROW_PARALLEL:
+        part = a.shape[1] // config.mapping.tp_size
+        return a[:, tp_rank * part:(tp_rank + 1) * part], b
+    if module.startswith("attn_"):
+        q, k, v = output_ranges(config, "attention.qkv", tp_rank)
+        q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
+        lo, hi = {"attn_q": q, "attn_k": (k[0] - q_out, k[1] - q_out),
+                  "attn_v": (v[0] - q_out - kv_out, v[1] - q_out - kv_out)}[module]
+    else:
+        lo, hi = output_ranges(config, "mlp.fc", tp_rank)[0]
+    return a, b[lo:hi]

@@ -1,0 +1,59 @@
+"""LoRA adapters inside the compiled step (TensorRT-LLM's module names and ids).
+
+An engine built with a LoRA plugin takes, beside the step's tokens, each token's adapter slot
+(`lora_slots`, -1 for the base model) and one pool tensor per target module:
+[layers of the stage, slots, max_lora_rank, in + out], a slot's row r holding A's row r (its input
+dims) then B's column r (its output dims, alpha / r folded in), zero past the adapter's rank. Every
+linear a module targets adds, for each token, B_s (A_s x) of its slot s: all slots' A at once
+(one GEMM, [T, slots * rank]), the ranks of other slots zeroed per token, then all slots' B (one
+GEMM): a batch mixing adapters and base requests is one step of dense GEMMs of width slots * rank.
+
+Tensor parallelism splits B by output rows for the column-parallel modules and A by input columns
+for the row-parallel ones (attn_dense, mlp_4h_to_h), whose partial products the block's all-reduce
+sums with the base GEMM's.
+"""
+import torch
+import torch.nn.functional as F
+
+from kiln.config import ConfigError, PretrainedConfig
+
+# TensorRT-LLM's LoRA module ids (tensorrt_llm/lora_manager.py, cpp loraModule.h), for the modules of
+# Kiln's dense decoder; HF's PEFT names map onto them (gate_proj is the activated branch, mlp_h_to_4h).
+MODULE_IDS = {"attn_q": 1, "attn_k": 2, "attn_v": 3, "attn_dense": 4, "mlp_h_to_4h": 5, "mlp_4h_to_h": 6,
+              "mlp_gate": 7}
+HF_MODULES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_dense",
+              "gate_proj": "mlp_h_to_4h", "up_proj": "mlp_gate", "down_proj": "mlp_4h_to_h"}
+ROW_PARALLEL = ("attn_dense", "mlp_4h_to_h")
+
+
+def module_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
+    """Each module's (in, out) on one tensor-parallel rank."""
+    h, d, tp = config.hidden_size, config.head_size, config.mapping.tp_size
+    q, kv, inter = config.heads_per_rank * d, config.kv_heads_per_rank * d, config.intermediate_size // tp
+    return {"attn_q": (h, q), "attn_k": (h, kv), "attn_v": (h, kv), "attn_dense": (q, h),
+            "mlp_h_to_4h": (h, inter), "mlp_gate": (h, inter), "mlp_4h_to_h": (inter, h)}
+
+
+def check_lora_config(lora_config: dict, config: PretrainedConfig) -> None:
+    modules, rank = lora_config.get("lora_target_modules"), lora_config.get("max_lora_rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ConfigError(f"max_lora_rank must be an integer >= 1, got {rank!r}")
+    if not modules or any(m not in MODULE_IDS for m in modules) or len(set(modules)) != len(modules):
+        raise ConfigError(f"lora_target_modules {modules!r} is not supported; expected distinct names among "
+                          f"{', '.join(MODULE_IDS)}")
+    if config.moe.num_experts:
+        raise ConfigError("LoRA on mixture-of-experts models is not supported yet")
+
+
+def slot_mask(lora_slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, slots]: 1 where the token's adapter is that slot (no 1 in a base-model token's row)."""
+    return (lora_slots[:, None] == torch.arange(num_slots, device=lora_slots.device)[None, :]).to(dtype)
+
+
+def delta(x: torch.Tensor, mask: torch.Tensor, pool: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Each token's B_s (A_s x) for its slot s; pool: one layer's [slots, rank, in + out]."""
+    slots, rank = pool.shape[0], pool.shape[1]
+    a = pool[:, :, :in_features].reshape(slots * rank, in_features)  # views: rows strided by in + out
+    b = pool[:, :, in_features:].reshape(slots * rank, -1)
+    shrunk = F.linear(x.to(pool.dtype), a).view(-1, slots, rank) * mask[:, :, None]
+    return (shrunk.view(-1, slots * rank) @ b).to(x.dtype)

@@ -46,9 +46,10 @@ def _peft_greedy(base_dir, adapter_dir, prompt):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("backend", ["eager", "aoti"])
-def test_adapters_mixed_with_base_requests_match_peft(backend, engine, hf_model, adapters):
-    from kiln import LLM, LoRARequest, SamplingParams
+@pytest.fixture(scope="module")
+def mixed(hf_model, adapters):
+    """Prompts, their adapters (None: the base model) and what HF's PeftModel generates for each."""
+    from kiln import LoRARequest
 
     base = hf_model("llama")
     g = torch.Generator().manual_seed(3)
@@ -58,18 +59,45 @@ def test_adapters_mixed_with_base_requests_match_peft(backend, engine, hf_model,
     want = [_peft_greedy(base, None if n is None else adapters[n], p) for p, n in zip(prompts, names)]
     assert len({tuple(w) for w in want[3:]}) == 3, "the adapters change nothing HF generates"
     ids = {n: i + 1 for i, n in enumerate(ADAPTERS)}
-    loras = [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in names]
-    e = engine("llama", backend, lora_config={"max_lora_rank": 8, "lora_target_modules": MODULES})
-    # two slots for three adapters: one waits for a slot; a small KV pool: preemptions on the way
-    llm = LLM(e, skip_tokenizer_init=True, max_loras=2, max_cpu_loras=1, max_tokens_in_paged_kv_cache=96)
+    return prompts, [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in names], want
+
+
+def _generate_mixed(engine_dir, prompts, loras):
+    """The prompts in one batch, twice (the second time from the prefix cache, whose blocks are keyed by
+    adapter); two slots for three adapters (one waits for a slot), a KV pool that preempts."""
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(engine_dir, skip_tokenizer_init=True, max_loras=2, max_cpu_loras=1, max_tokens_in_paged_kv_cache=96)
     try:
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)  # EOS masked, as HF
-        for _ in range(2):  # the second time from the prefix cache (blocks keyed by adapter)
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
-            assert [o.outputs[0].token_ids for o in outs] == want
-        assert llm.llm_engine.core.scheduler.counters.num_preemptions > 0
+        runs = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             lora_request=loras)] for _ in range(2)]
+        assert runs[0] == runs[1]
+        return runs[0]
     finally:
         llm.llm_engine.shutdown()
+
+
+LORA_BUILD = {"max_lora_rank": 8, "lora_target_modules": MODULES}
+
+
+@pytest.mark.parametrize("backend", ["eager", "aoti"])
+def test_adapters_mixed_with_base_requests_match_peft(backend, engine, mixed):
+    prompts, loras, want = mixed
+    assert _generate_mixed(engine("llama", backend, lora_config=LORA_BUILD), prompts, loras) == want
+
+
+def test_tp2_matches_peft(hf_model, mixed, tmp_path):
+    from conftest import TEST_BUILD
+    from kiln.build.builder import build_engine
+    from kiln.config import BuildConfig
+    from kiln.convert.cli import convert_checkpoint
+
+    prompts, loras, want = mixed
+    ckpt = convert_checkpoint(hf_model("llama"), tmp_path / "ckpt", dtype="float32", tp_size=2)
+    e = build_engine(ckpt, tmp_path / "engine", BuildConfig(**{**TEST_BUILD, "backend": "eager",
+                                                               "lora_config": LORA_BUILD}), log=lambda *_: None)
+    assert _generate_mixed(e, prompts, loras) == want
 
 
 def test_bad_adapters_fail_their_request_alone(engine, hf_model, adapters, tmp_path):
@@ -83,7 +111,7 @@ def test_bad_adapters_fail_their_request_alone(engine, hf_model, adapters, tmp_p
         "use_dora=True is not supported": save_adapter(base, tmp_path / "dora", 4, 8, ["q_proj"], use_dora=True),
         "adapter_config.json not found": tmp_path,
     }
-    e = engine("llama", lora_config={"max_lora_rank": 8, "lora_target_modules": MODULES})
+    e = engine("llama", lora_config=LORA_BUILD)
     narrow = engine("llama", lora_config={"max_lora_rank": 8, "lora_target_modules": ["attn_q", "attn_v"]})
     params = SamplingParams(temperature=0, max_tokens=4)
     prompt = {"prompt_token_ids": [5, 6, 7]}

@@ -18,9 +18,10 @@ def make_executor(engine_dir, kv_cache_free_mem_fraction: float | None = None,
     world = config.pretrained_config.mapping.world_size
     if world == 1:
         return UniprocExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache, max_loras)
-    if config.build_config.lora_config is not None:
-        raise ConfigError(f"{engine_dir}: LoRA engines of more than one rank are not supported yet (world_size "
-                          f"{world}); build it with tp_size = pp_size = 1")
     if os.environ.get(EXECUTOR_ENV) == "torchrun":
+        if config.build_config.lora_config is not None:
+            raise ConfigError(f"{engine_dir}: LoRA engines under torchrun are not supported yet; run its ranks in "
+                              f"worker processes on one machine (kiln serve / LLM without kiln.launch)")
         return TorchrunExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache)
-    return MultiprocExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache, threads)
+    return MultiprocExecutor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache, threads,
+                             max_loras)

@@ -36,7 +36,7 @@ from kiln.utils import child_env
 
 class MultiprocExecutor(Executor):
     def __init__(self, engine_dir, kv_cache_free_mem_fraction: float | None = None,
-                 max_tokens_in_paged_kv_cache: int | None = None, threads: int = 1):
+                 max_tokens_in_paged_kv_cache: int | None = None, threads: int = 1, max_loras: int = 4):
         super().__init__()
         self.config = EngineConfig.load(engine_dir)
         p, b = self.config.pretrained_config, self.config.build_config
@@ -46,6 +46,7 @@ class MultiprocExecutor(Executor):
         self.max_concurrent_batches = p.mapping.pp_size
         self.dead: EngineDeadError | None = None
         self._copies: list[tuple[int, int]] = []
+        self._loras: list[str] = []  # "slot\tadapter dir" for the next step to load first
         self._sent = 0
         self._collected = 0
         self._pending = 0  # steps submitted and not collected
@@ -68,7 +69,7 @@ class MultiprocExecutor(Executor):
                 self._spawn(rank, dict(
                     engine_dir=str(engine_dir), rank=rank, world_size=world, port=self.store.port,
                     threads=max(1, threads // world), kv_cache_free_mem_fraction=kv_cache_free_mem_fraction,
-                    max_tokens_in_paged_kv_cache=max_tokens_in_paged_kv_cache,
+                    max_tokens_in_paged_kv_cache=max_tokens_in_paged_kv_cache, max_loras=max_loras,
                     steps=str(self.steps.path), steps_size=[self.steps.slots, self.steps.slot_bytes],
                     results=str(self.results.path), results_size=[self.results.slots, self.results.slot_bytes]))
             self.num_blocks = min(self._loaded())
@@ -171,6 +172,9 @@ class MultiprocExecutor(Executor):
         if self._copies:
             inputs = {**inputs, "copy_blocks": torch.tensor(self._copies, dtype=torch.int64)}
             self._copies = []
+        if self._loras:
+            inputs = {**inputs, "set_lora": torch.tensor(list("\n".join(self._loras).encode()), dtype=torch.uint8)}
+            self._loras = []
         self._broadcast("step", inputs)
         self._pending += 1
 
@@ -181,7 +185,12 @@ class MultiprocExecutor(Executor):
         return logits
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        self._copies.extend(pairs)  # done by every rank before the next step, which first reads them
+        self._copies.extend(pairs)
+
+    def set_lora(self, slot: int, adapter) -> None:
+        """Every rank reads the adapter dir and loads its share into the slot before the next step,
+        which carries the request (the ring holds as many messages as steps in flight, no more)."""
+        self._loras.append(f"{slot}\t{adapter.path}")  # done by every rank before the next step, which first reads them
 
     def _broadcast(self, kind: str, tensors: dict) -> None:
         if not self.steps.write(self._sent, kind, tensors):

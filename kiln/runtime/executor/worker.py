@@ -42,17 +42,29 @@ class RankWorker:
         self.groups = RankGroups(self.pretrained, config.build_config, rank, store)
         self.engine: RankEngine | None = None
 
-    def load(self, kv_cache_free_mem_fraction=None, max_tokens_in_paged_kv_cache=None, ranks_per_machine: int = 1):
+    def load(self, kv_cache_free_mem_fraction=None, max_tokens_in_paged_kv_cache=None, ranks_per_machine: int = 1,
+             max_loras: int = 4):
         """This rank's engine; returns the KV blocks it could hold."""
         self.engine = RankEngine(self.engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache,
-                             rank=self.rank, ranks_per_machine=ranks_per_machine, allocate=False)
+                                 rank=self.rank, ranks_per_machine=ranks_per_machine, allocate=False,
+                                 max_loras=max_loras)
         return self.engine.num_blocks
+
+    def set_lora(self, slot: int, adapter_dir: str) -> None:
+        from kiln.convert.lora import rank_weights, read_adapter
+
+        lora_config = self.engine.config.build_config.lora_config
+        self.engine.set_lora(slot, rank_weights(read_adapter(adapter_dir), self.pretrained, lora_config, self.rank))
 
     def execute(self, inputs: dict) -> torch.Tensor | None:
         """Logits on the rank that returns them, else None."""
         copies = inputs.pop("copy_blocks", None)
         if copies is not None:
             self.engine.copy_blocks(copies.tolist())
+        loras = inputs.pop("set_lora", None)
+        for line in [] if loras is None else bytes(loras.tolist()).decode().split("\n"):
+            slot, adapter_dir = line.split("\t", 1)
+            self.set_lora(int(slot), adapter_dir)
         hidden = None
         if self.pp_rank > 0:
             shape = (inputs["input_ids"].shape[0], self.pretrained.hidden_size)
@@ -80,7 +92,7 @@ def main(spec: dict, wake_fd: int, reply: Connection) -> int:
         store = dist.TCPStore("127.0.0.1", spec["port"], is_master=False, timeout=timedelta(seconds=60))
         worker = RankWorker(spec["engine_dir"], rank, store)
         blocks = worker.load(spec["kv_cache_free_mem_fraction"], spec["max_tokens_in_paged_kv_cache"],
-                             spec["world_size"])
+                             spec["world_size"], spec["max_loras"])
         results = ShmRing.attach(spec["results"], *spec["results_size"]) if worker.returns_logits else None
         reply.send(("loaded", blocks))
     except Exception as e:  # noqa: BLE001 - the executor fails the start with this rank's message

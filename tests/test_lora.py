@@ -135,3 +135,43 @@ def test_bad_adapters_fail_their_request_alone(engine, hf_model, adapters, tmp_p
             plain.generate(prompt, params, lora_request=LoRARequest("qv", 1, str(adapters["qv"])))
     finally:
         plain.llm_engine.shutdown()
+
+
+def test_kiln_serve_serves_adapters_as_models(engine, hf_model, adapters, mixed, tmp_path):
+    import httpx
+    import openai
+
+    from test_serve import Server
+
+    prompts, loras, want = mixed
+    e = engine("llama", lora_config=LORA_BUILD)
+    server = Server(e, tmp_path / "server.log", "--served-model-name", "base", "--lora-modules",
+                    f"qv={adapters['qv']}", "--lora-modules", f'{{"name": "all", "path": "{adapters["all"]}"}}',
+                    "--max-loras", "2", "--allow-runtime-lora-updating")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {"base", "qv", "all"} and models["qv"].parent == "base"
+
+        def complete(model, i):
+            out = client.completions.create(model=model, prompt=prompts[i], max_tokens=NEW_TOKENS, temperature=0,
+                                            extra_body={"min_tokens": NEW_TOKENS, "return_token_ids": True})
+            return out.choices[0].token_ids
+
+        assert [complete("qv", 0), complete("base", 1), complete("all", 2)] == want[:3]
+        with pytest.raises(openai.NotFoundError, match="The model `mlp` does not exist"):
+            complete("mlp", 3)
+        # vLLM's runtime endpoints: a bad adapter is a 400, the server serving on
+        r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
+        assert r.status_code == 400 and "adapter_config.json not found" in r.text
+        r = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                       json={"lora_name": "mlp", "lora_path": str(adapters["mlp"])})
+        assert r.status_code == 200, r.text
+        assert complete("mlp", 3) == want[3]
+        metrics = server.metrics()
+        assert (metrics["kiln:lora_adapters_loaded"], metrics["kiln:max_loras"]) == (2, 2)
+        assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            complete("mlp", 3)
+    finally:
+        server.stop()

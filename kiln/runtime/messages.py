@@ -120,6 +120,10 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     spec: SpecStats | None = None
     iterations: IterationStats | None = None
+    # LoRA engines: adapters in the engine's slots, those held by running sequences, and the slots
+    lora_loaded: int | None = None
+    lora_active: int | None = None
+    max_loras: int | None = None
 
 
 def stats_dict(stats: SchedulerStats) -> dict:

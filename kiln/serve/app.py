@@ -24,7 +24,8 @@ from kiln.serve.chat import create_chat_completion
 from kiln.serve.completions import create_completion
 from kiln.serve.metrics import ServerMetrics
 from kiln.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 ModelCard, ModelList, TokenizeRequest, error_body)
+                                 LoadLoraAdapterRequest, ModelCard, ModelList, TokenizeRequest,
+                                 UnloadLoraAdapterRequest, error_body)
 from kiln.serve.serving import ClientDisconnected, Serving
 from kiln.version import __version__
 
@@ -45,6 +46,8 @@ class ServeConfig:
     max_request_body_bytes: int = 16 << 20
     tool_call_parser: str | None = None  # kiln.serve.tools.PARSERS
     enable_auto_tool_choice: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT dir
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     def __post_init__(self):
         self.served_model_names = list(self.served_model_names) or [str(self.engine_dir)]
@@ -76,6 +79,8 @@ class ServerState:
             tokenizer = None if c.engine_args.get("skip_tokenizer_init") else load_tokenizer(c.engine_dir)
             self.serving = Serving(llm, tokenizer, c.served_model_names, self.metrics, c.chat_template,
                                    c.tool_call_parser, c.enable_auto_tool_choice)
+            for name, path in c.lora_modules.items():
+                self.serving.add_lora(name, path)
             log.info("engine %s loaded in %.1fs (ready %.1fs after the process started): serving it as %s",
                      c.engine_dir, time.monotonic() - start, time.time() - psutil.Process().create_time(),
                      ", ".join(c.served_model_names))
@@ -256,7 +261,20 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
     async def models():
         s = serving()
         return ModelList(data=[ModelCard(id=name, root=str(config.engine_dir), max_model_len=s.max_model_len,
-                                         **s.model_metadata) for name in s.model_names])
+                                         **s.model_metadata) for name in s.model_names] + [
+            ModelCard(id=name, root=lora.lora_path, parent=s.model_names[0], max_model_len=s.max_model_len,
+                      **s.model_metadata) for name, lora in s.loras.items()])
+
+    if config.allow_runtime_lora_updating:  # vLLM's endpoints, off unless asked for
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoadLoraAdapterRequest):
+            await asyncio.to_thread(serving().add_lora, req.lora_name, req.lora_path)
+            return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: UnloadLoraAdapterRequest):
+            serving().remove_lora(req.lora_name)
+            return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -68,13 +68,14 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     rid, created = random_id("chatcmpl"), now()
     head = {"id": rid, "created": created, "model": model}
     if req.stream:
-        stream = await until_disconnected(request, serving.start([prompt], params, rid, "messages", req.cache_salt))
+        stream = await until_disconnected(request, serving.start([prompt], params, rid, "messages", req.cache_salt,
+                                                                 model))
         return StreamingResponse(_stream(serving, req, stream, head, stop_holdback(params), parser),
                                  media_type="text/event-stream")
 
     async def collect():
         final = None
-        async for _, out in await serving.start([prompt], params, rid, "messages", req.cache_salt):
+        async for _, out in await serving.start([prompt], params, rid, "messages", req.cache_salt, model):
             final = out
         return final
 

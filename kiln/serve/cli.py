@@ -65,6 +65,15 @@ def _both(name: str) -> tuple[str, str]:
 @click.option(*_both("kv_cache_free_mem_fraction"), type=float, default=None,
               help="Fraction of free memory for the KV cache.")
 @click.option(*_both("max_tokens_in_paged_kv_cache"), type=int, default=None, help="KV cache size in tokens.")
+@click.option(*_both("lora_modules"), "lora_modules", multiple=True,
+              help="LoRA adapters served as models of their own: NAME=PATH (a Hugging Face PEFT dir) or vLLM's JSON "
+                   '{"name": ..., "path": ...}; repeatable. Needs an engine built with --lora_plugin auto.')
+@click.option(*_both("max_loras"), type=int, default=None,
+              help="Adapters in the engine at once (its adapter slots; default 4): more wait for a slot.")
+@click.option(*_both("max_cpu_loras"), type=int, default=None,
+              help="Adapters kept read in host memory (default: max_loras).")
+@click.option(*_both("allow_runtime_lora_updating"), is_flag=True, default=False,
+              help="Serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.")
 @click.option("--threads", type=int, default=None, help=THREADS_HELP)
 @click.option(*_both("skip_tokenizer_init"), is_flag=True, default=False,
               help="Load no tokenizer (for engines built without one): prompts are token ids, completions "
@@ -73,7 +82,8 @@ def _both(name: str) -> tuple[str, str]:
               show_default=True)
 @click.option("--access_log/--no_access_log", "--access-log/--no-access-log", default=True, show_default=True)
 def serve(engine_dir, host, port, api_key, served_model_names, chat_template, tool_call_parser, enable_auto_tool_choice,
-          max_request_body_bytes, drain_timeout, log_level, access_log, **engine_args):
+          max_request_body_bytes, drain_timeout, log_level, access_log, lora_modules, allow_runtime_lora_updating,
+          **engine_args):
     """Serve an engine with OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /tokenize, /detokenize, /health, /version and Prometheus /metrics."""
     from prometheus_client import disable_created_metrics
@@ -109,7 +119,7 @@ def serve(engine_dir, host, port, api_key, served_model_names, chat_template, to
         raise click.BadParameter("--max_request_body_bytes must be >= 1 and --drain_timeout >= 0")
     config = ServeConfig(engine_dir, {k: v for k, v in engine_args.items() if v is not None},
                          served_model_names, chat_template, api_key, max_request_body_bytes, tool_call_parser,
-                         enable_auto_tool_choice)
+                         enable_auto_tool_choice, _lora_modules(lora_modules), allow_runtime_lora_updating)
     state = ServerState(config)
     server = DrainingServer(uvicorn.Config(build_app(config, state), host=host, port=port, log_level=log_level,
                                            access_log=access_log, timeout_graceful_shutdown=3),
@@ -119,6 +129,27 @@ def serve(engine_dir, host, port, api_key, served_model_names, chat_template, to
     if state.load_error is not None or state.engine_error is not None:
         raise SystemExit(1)
     log.info("stopped")
+
+
+def _lora_modules(specs: tuple[str, ...]) -> dict[str, str]:
+    import json
+
+    modules = {}
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                d = json.loads(spec)
+                name, path = d["name"], d["path"]
+            except (ValueError, KeyError, TypeError):
+                raise click.BadParameter(f"{spec!r} is not JSON with name and path", param_hint="--lora-modules")
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise click.BadParameter(f"{spec!r} is not NAME=PATH", param_hint="--lora-modules")
+        if name in modules:
+            raise click.BadParameter(f"adapter name {name!r} given twice", param_hint="--lora-modules")
+        modules[name] = path
+    return modules
 
 
 class DrainingServer(uvicorn.Server):

@@ -28,13 +28,14 @@ async def create_completion(serving: Serving, req: CompletionRequest, request: R
     rid, created = random_id("cmpl"), now()
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if req.stream:
-        stream = await until_disconnected(request, serving.start(prompts, params, rid, cache_salt=req.cache_salt))
+        stream = await until_disconnected(request, serving.start(prompts, params, rid, cache_salt=req.cache_salt,
+                                                                 model=model))
         return StreamingResponse(_stream(serving, req, prompts, params, stream, head),
                                  media_type="text/event-stream")
 
     async def collect():
         finals = {}
-        async for i, out in await serving.start(prompts, params, rid, cache_salt=req.cache_salt):
+        async for i, out in await serving.start(prompts, params, rid, cache_salt=req.cache_salt, model=model):
             if out.finished:
                 finals[i] = out
         return [finals[i] for i in range(len(prompts))]

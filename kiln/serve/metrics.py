@@ -73,6 +73,10 @@ class EngineCollector(Collector):
                       s["prefix_cache_queries"])
         yield counter("prefix_cache_hits", "Prefix cache hits, in tokens (found cached, not computed).",
                       s["prefix_cache_hits"])
+        if s.get("max_loras") is not None:  # a LoRA engine
+            yield gauge("lora_adapters_loaded", "LoRA adapters in the engine's slots.", s["lora_loaded"])
+            yield gauge("lora_adapters_active", "LoRA adapters of running requests.", s["lora_active"])
+            yield gauge("max_loras", "LoRA adapter slots of the engine.", s["max_loras"])
         spec = s.get("spec")
         if spec is not None:  # speculative decoding is on
             yield counter("spec_decode_num_drafts", "Draft proposals verified (one per sequence and step).",

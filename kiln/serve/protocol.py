@@ -173,6 +173,15 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
+class LoadLoraAdapterRequest(OpenAIModel):  # vLLM's /v1/load_lora_adapter
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1)
+
+
 # ------------------------------------------------------------------------------------ responses
 # (streamed chunks are these choices' streaming forms, written as plain dicts: one per token)
 class PromptTokensDetails(BaseModel):
@@ -257,6 +266,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "kiln"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     # What the engine computes with: all parameters, those one token is computed with (a mixture of
     # experts runs experts_per_token of its num_experts per layer; both null for a dense model).

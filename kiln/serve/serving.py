@@ -4,6 +4,7 @@ streams of a multi-prompt request, logprobs in OpenAI's two formats, and watchin
 that hang up."""
 import asyncio
 import functools
+import itertools
 import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING
@@ -44,15 +45,35 @@ class Serving:
                                    num_experts=model.moe.num_experts or None,
                                    experts_per_token=model.moe.top_k or None)
         self.token_str = functools.lru_cache(maxsize=1 << 16)(self._token_str)
+        self.loras: dict = {}  # served adapter name -> LoRARequest
+        self._lora_ids = itertools.count(1)
 
     # -- requests ------------------------------------------------------------------------------
     def model_name(self, requested: str | None) -> str:
         if requested is None:
             return self.model_names[0]
-        if requested not in self.model_names:
+        if requested not in self.model_names and requested not in self.loras:
             raise APIError(404, f"The model `{requested}` does not exist. Served: "
-                           f"{', '.join(self.model_names)}", "model", "model_not_found")
+                           f"{', '.join([*self.model_names, *self.loras])}", "model", "model_not_found")
         return requested
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in `path` as model `name` (checked now: a bad one is a 400)."""
+        from kiln.runtime.lora_request import LoRARequest
+
+        if name in self.loras or name in self.model_names:
+            raise APIError(400, f"The model `{name}` is already served", "lora_name")
+        lora = LoRARequest(name, next(self._lora_ids), str(path))
+        try:
+            self.llm.input_processor._check_lora(lora)
+        except ValueError as e:
+            raise APIError(400, str(e), "lora_path") from None
+        self.loras[name] = lora
+
+    def remove_lora(self, name: str) -> None:
+        """Requests naming it from now on get 404; those running finish with it."""
+        if self.loras.pop(name, None) is None:
+            raise APIError(404, f"The LoRA adapter `{name}` is not served", "lora_name", "model_not_found")
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None, tool_guide: GuidedDecodingParams | None = None
@@ -137,12 +158,14 @@ class Serving:
         return {"prompt_token_ids": ids, "prompt": text}
 
     async def start(self, prompts: list[dict], params: SamplingParams, request_id: str,
-                    prompt_param: str = "prompt", cache_salt: str | None = None
+                    prompt_param: str = "prompt", cache_salt: str | None = None, model: str | None = None
                     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Add one engine request per prompt; returns once each has its first output (so that a bad
-        request is an error status, not a broken stream), as one stream of (prompt index, output)."""
+        request is an error status, not a broken stream), as one stream of (prompt index, output).
+        model: a served LoRA adapter's name runs the prompts with it."""
         salt = {} if cache_salt is None else {"cache_salt": cache_salt}
-        gens = [self.metrics.track(self.llm.generate({**p, **salt}, params, f"{request_id}-{i}"))
+        lora = self.loras.get(model)
+        gens = [self.metrics.track(self.llm.generate({**p, **salt}, params, f"{request_id}-{i}", lora))
                 for i, p in enumerate(prompts)]
         try:
             firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)

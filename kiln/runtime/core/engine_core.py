@@ -154,10 +154,11 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         running = {s.request.request_id for s in self.scheduler.running}
         waiting = {s.request.request_id for s in self.scheduler.waiting} - running
-        pool, counters = self.kv.pool, self.scheduler.counters
+        pool, counters, loras = self.kv.pool, self.scheduler.counters, self.scheduler.loras
         return SchedulerStats(len(running), len(waiting), pool.num_blocks, pool.num_free, pool.usage,
                               counters.num_preemptions, counters.prefix_cache_queries, counters.prefix_cache_hits,
-                              self.spec.stats if self.spec else None, self.iteration_stats)
+                              self.spec.stats if self.spec else None, self.iteration_stats,
+                              *((None,) * 3 if loras is None else loras.counts()))
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:

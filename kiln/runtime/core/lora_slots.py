@@ -47,6 +47,10 @@ class LoraSlots:
         if self.users[slot] == 0:
             self.idle[slot] = None
 
+    def counts(self) -> tuple[int, int, int]:
+        """(slots holding an adapter, slots a running sequence holds, slots)."""
+        return len(self.slot_of), sum(u > 0 for u in self.users), len(self.users)
+
     def _adapter(self, lora) -> Adapter:
         adapter = self.adapters.pop(lora.lora_int_id, None) or read_adapter(lora.lora_path)
         self.adapters[lora.lora_int_id] = adapter

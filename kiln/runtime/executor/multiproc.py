@@ -173,7 +173,8 @@ class MultiprocExecutor(Executor):
             inputs = {**inputs, "copy_blocks": torch.tensor(self._copies, dtype=torch.int64)}
             self._copies = []
         if self._loras:
-            inputs = {**inputs, "set_lora": torch.tensor(list("\n".join(self._loras).encode()), dtype=torch.uint8)}
+            loads = "\n".join(self._loras).encode()
+            inputs = {**inputs, "set_lora": torch.tensor(list(loads), dtype=torch.uint8)}
             self._loras = []
         self._broadcast("step", inputs)
         self._pending += 1

@@ -51,13 +51,13 @@ class AsyncLLM:
         return self._dead
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yields a RequestOutput (cumulative text and tokens) each step the request advances (the
         latest, when several steps went by since the caller last asked).
         Closing the iterator early (or cancelling its task) aborts the request."""
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
         queue: asyncio.Queue = asyncio.Queue()
-        core_request, state = self.input_processor.process(request_id, prompt, sampling_params)
+        core_request, state = self.input_processor.process(request_id, prompt, sampling_params, lora_request)
         with self._lock:
             if self._dead is not None:
                 raise self._dead

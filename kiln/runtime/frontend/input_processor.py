@@ -55,7 +55,8 @@ class InputProcessor:
             raise ValueError("stop strings need a tokenizer, and this engine was loaded with "
                              "skip_tokenizer_init; use stop_token_ids")
         now = time.monotonic()
-        return (EngineCoreRequest(request_id, token_ids, params, max_tokens, self.eos_token_ids, now, salt, lora_request),
+        return (EngineCoreRequest(request_id, token_ids, params, max_tokens, self.eos_token_ids, now, salt,
+                                  lora_request),
                 RequestState(request_id, text, token_ids, params, now))
 
     def _check_lora(self, lora) -> None:

@@ -3,7 +3,7 @@ import torch
 from torch.export import Dim
 
 from kiln.config import BuildConfig, PretrainedConfig, torch_dtype
-from kiln.engine.format import (HIDDEN_STATES, LORA_POOLS, LORA_SLOTS, SEQUENCE_LENS, kv_cache_dtype,
+from kiln.engine.format import (HIDDEN_STATES, LORA_POOLS, LORA_RANKS, LORA_SLOTS, SEQUENCE_LENS, kv_cache_dtype,
                                lora_pool_shapes)
 
 
@@ -38,6 +38,7 @@ def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks:
         inputs[SEQUENCE_LENS] = torch.full((T,), 7, dtype=torch.int64)
     if build.lora_config is not None:
         inputs[LORA_SLOTS] = torch.arange(T, dtype=torch.int64) % 4 - 1  # slots 0..2, and -1: the base model
+        inputs[LORA_RANKS] = torch.tensor([build.lora_config["max_lora_rank"], 1, 0], dtype=torch.int64)
         inputs[LORA_POOLS] = {m: torch.zeros(shape, dtype=torch_dtype(pretrained.dtype))
                               for m, shape in lora_pool_shapes(pretrained, build, rank, 3).items()}
     return inputs
@@ -64,6 +65,7 @@ def dynamic_shapes(build: BuildConfig, inputs: dict):
     if LORA_POOLS in inputs:
         slots = Dim("max_loras", min=1, max=1 << 12)
         optional[LORA_POOLS] = {m: {1: slots} for m in inputs[LORA_POOLS]}
+        optional[LORA_RANKS] = {0: slots}
     return dict(
         input_ids={0: T}, positions={0: T}, slot_mapping={0: T},
         ctx_token_index={0: Sc, 1: Q}, ctx_block_tables={0: Sc, 1: MBc}, ctx_context_lens={0: Sc},

@@ -22,9 +22,10 @@ HIDDEN_STATES = "hidden_states"
 # LongRoPE models (PretrainedConfig.long_rope_threshold) also take each token's sequence length, [T]
 # int64: the tokens of a sequence longer than the threshold rotate with the long factors.
 SEQUENCE_LENS = "sequence_lens"
-# LoRA engines (BuildConfig.lora_config) also take each token's adapter slot, [T] int64 (-1: none), and
-# the adapter pools, a dict of target module -> [layers, slots, max_lora_rank, in + out] (kiln/models/lora.py).
-LORA_SLOTS, LORA_POOLS = "lora_slots", "lora_pools"
+# LoRA engines (BuildConfig.lora_config) also take each token's adapter slot, [T] int64 (-1: none), each
+# slot's adapter rank, [slots] int64 (0: empty), and the adapter pools, a dict of target module ->
+# [layers, slots, max_lora_rank, in + out] (kiln/models/lora.py).
+LORA_SLOTS, LORA_RANKS, LORA_POOLS = "lora_slots", "lora_ranks", "lora_pools"
 
 KV_CACHE_QUANT_DTYPES = {"FP8": torch.float8_e4m3fn, "INT8": torch.int8}
 

@@ -8,7 +8,8 @@ import torch.utils._pytree as pytree
 
 from kiln.config import ConfigError, EngineConfig, torch_dtype
 from kiln.engine import extraction
-from kiln.engine.format import (HIDDEN_STATES, LORA_POOLS, LORA_SLOTS, SEQUENCE_LENS, STEP_INPUTS, engine_file,
+from kiln.engine.format import (HIDDEN_STATES, LORA_POOLS, LORA_RANKS, LORA_SLOTS, SEQUENCE_LENS, STEP_INPUTS,
+                               engine_file,
                                kv_cache_dtype, lora_pool_shapes, plugin_config, uses_cpp_plugins)
 
 
@@ -112,12 +113,13 @@ class RankEngine:
         if allocate:
             self.allocate(self.num_blocks)
         # LoRA engines: max_loras adapter slots per target module, filled by set_lora
-        self.lora_pools = None
+        self.lora_pools = self.lora_ranks = None
         if build.lora_config is not None:
             if max_loras < 1:
                 raise ConfigError(f"max_loras must be >= 1 for a LoRA engine, got {max_loras}")
             self.lora_pools = {m: torch.zeros(shape, dtype=torch_dtype(pretrained.dtype))
                                for m, shape in lora_pool_shapes(pretrained, build, rank, max_loras).items()}
+            self.lora_ranks = torch.zeros(max_loras, dtype=torch.int64)
 
     def allocate(self, num_blocks: int) -> None:
         p, b = self.config.pretrained_config, self.config.build_config
@@ -155,12 +157,14 @@ class RankEngine:
         if self.lora_pools is not None:
             slots = inputs.get(LORA_SLOTS)
             extra[LORA_SLOTS] = torch.full_like(inputs["input_ids"], -1) if slots is None else slots
-            extra[LORA_POOLS] = self.lora_pools
+            extra[LORA_RANKS], extra[LORA_POOLS] = self.lora_ranks, self.lora_pools
         return self.model(**{name: inputs[name] for name in STEP_INPUTS[:-1]}, kv_cache=self.kv_cache, **extra)
 
     def set_lora(self, slot: int, weights: dict | None) -> None:
         """Adapter slot `slot` holds `weights` (module -> [(A [r, in], B [out, r] scaled) or None per layer
         of the stage], this rank's share: kiln.convert.lora.rank_weights), or nothing (None)."""
+        self.lora_ranks[slot] = max((pair[0].shape[0] for pairs in (weights or {}).values() for pair in pairs
+                                     if pair is not None), default=0)
         for m, pool in self.lora_pools.items():
             pool[:, slot].zero_()
             for layer, pair in enumerate((weights or {}).get(m, ())):

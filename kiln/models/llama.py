@@ -7,6 +7,7 @@ One rank's model: it holds the layers of its pipeline stage and runs one engine 
 "The engine step") over a flat, unpadded token batch that mixes prefill chunks and decode tokens.
 """
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -84,15 +85,15 @@ class LlamaLayer(nn.Module):
             self.proj = linear("mlp.proj")
 
     def mlp(self, x, act_and_mul, adapt=None):
-        """adapt(out, inp, module): out plus the LoRA update of `module` (engines with a LoRA plugin)."""
+        """adapt(out, inp, (module, column), ...): out plus those modules' LoRA updates (LoRA engines)."""
         if self.moe is not None:
             return self.moe(x, act_and_mul)
         up = self.gate_up(x)
         if adapt is None:
             return self.proj(act_and_mul(up))
-        fc, gate = up.chunk(2, dim=-1)
-        h = act_and_mul(torch.cat([adapt(fc, x, "mlp_h_to_4h"), adapt(gate, x, "mlp_gate")], dim=-1))
-        return adapt(self.proj(h), h, "mlp_4h_to_h")
+        up = adapt(up, x, ("mlp_h_to_4h", 0), ("mlp_gate", up.shape[-1] // 2))
+        h = act_and_mul(up)
+        return adapt(self.proj(h), h, ("mlp_4h_to_h", 0))
 
 
 def norm_weight(config: PretrainedConfig, weight: torch.Tensor) -> torch.Tensor:
@@ -170,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, slot_mapping, ctx_token_index, ctx_block_tables,
                 ctx_context_lens, gen_token_index, gen_block_tables, gen_context_lens, logits_index,
-                kv_cache, hidden_states=None, sequence_lens=None, lora_slots=None, lora_pools=None):
+                kv_cache, hidden_states=None, sequence_lens=None, lora_slots=None, lora_ranks=None, lora_pools=None):
         o, T = self.ops, input_ids.shape[0]
         H, KH, D = self.num_heads, self.num_kv_heads, self.head_size
         rope_lens = None
@@ -181,10 +182,7 @@ class LlamaForCausalLM(nn.Module):
             cos_local, sin_local = rope.cos_sin(self.local_rope, self.inv_freq_local, positions)
 
         softcap = self.config.attn_logit_softcapping
-        mask = None
-        if lora_slots is not None:  # a LoRA engine: pools [layers, slots, rank, in + out] per target module
-            pool = next(iter(lora_pools.values()))
-            mask = lora.slot_mask(lora_slots, pool.shape[1], pool.dtype)
+        adapters = None if lora_slots is None else lora.StepAdapters(lora_slots, lora_ranks, lora_pools, self.packed)
         hidden = self._embed(input_ids) if self.is_first else hidden_states
         if self.is_first and self.config.embedding_multiplier != 1:
             hidden = hidden * self.config.embedding_multiplier
@@ -192,11 +190,11 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, residual = self._block_input(hidden, residual, layer.input_layernorm)
             kv_scale = None if self.kv_scales is None else self.kv_scales[i]
-            adapt = None if mask is None else self._adapter(lora_pools, i, mask)
+            adapt = None if adapters is None else functools.partial(adapters, i)
             qkv = layer.qkv(x)
-            q, k, v = qkv.split([H * D, KH * D, KH * D], dim=-1)
             if adapt is not None:
-                q, k, v = adapt(q, x, "attn_q"), adapt(k, x, "attn_k"), adapt(v, x, "attn_v")
+                qkv = adapt(qkv, x, ("attn_q", 0), ("attn_k", H * D), ("attn_v", (H + KH) * D))
+            q, k, v = qkv.split([H * D, KH * D, KH * D], dim=-1)
             if layer.q_layernorm is not None and self.config.qk_layernorm_scope == "projection":
                 q = self._projection_norm(q, layer.q_layernorm, self.config.num_attention_heads)
                 k = self._projection_norm(k, layer.k_layernorm, self.config.num_key_value_heads)
@@ -216,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
                                        **({"softcap": softcap} if softcap else {}))
             attn = attn.reshape(T, H * D)
             out = layer.dense(attn)
-            hidden = self._block_output(out if adapt is None else adapt(out, attn, "attn_dense"),
+            hidden = self._block_output(out if adapt is None else adapt(out, attn, ("attn_dense", 0)),
                                         layer.post_attention_layernorm)
             x, residual = self._block_input(hidden, residual, layer.post_layernorm)
             hidden = self._block_output(layer.mlp(x, self.act_and_mul, adapt), layer.post_feedforward_layernorm)
@@ -236,15 +234,6 @@ class LlamaForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return self.tp.gather_logits(logits)[:, : self.config.vocab_size]
-
-    @staticmethod
-    def _adapter(pools: dict, i: int, mask: torch.Tensor):
-        """out + each token's LoRA update of `module` at the stage's layer i (row-parallel modules: this
-        rank's partial product, summed with the GEMM's by the block's all-reduce)."""
-        def adapt(out, inp, module):
-            pool = pools.get(module)
-            return out if pool is None else out + lora.delta(inp, mask, pool[i], inp.shape[-1])
-        return adapt
 
     def _block_input(self, hidden, residual, norm):
         """The residual stream with the last block's output added, and what the next block reads:

@@ -1,12 +1,17 @@
 """LoRA adapters inside the compiled step (TensorRT-LLM's module names and ids).
 
 An engine built with a LoRA plugin takes, beside the step's tokens, each token's adapter slot
-(`lora_slots`, -1 for the base model) and one pool tensor per target module:
-[layers of the stage, slots, max_lora_rank, in + out], a slot's row r holding A's row r (its input
-dims) then B's column r (its output dims, alpha / r folded in), zero past the adapter's rank. Every
-linear a module targets adds, for each token, B_s (A_s x) of its slot s: all slots' A at once
-(one GEMM, [T, slots * rank]), the ranks of other slots zeroed per token, then all slots' B (one
-GEMM): a batch mixing adapters and base requests is one step of dense GEMMs of width slots * rank.
+(`lora_slots`, -1 for the base model), each slot's adapter rank (`lora_ranks`, 0: empty) and one pool
+tensor per target module: [layers of the stage, slots, max_lora_rank, in + out], a slot's row r
+holding A's row r (its input dims) then B's column r (its output dims, alpha / r folded in), zero past
+the adapter's rank. Every linear a module targets adds, for each token, B_s (A_s x) of its slot s, in
+one of two ways (`StepAdapters`):
+- segmented (with the C++ GEMM plugin): kiln_cpp::lora (csrc/lora.cpp) reads and computes only each
+  token's own adapter, over its rank, with the tokens sorted by slot, as punica / S-LoRA do; tokens
+  of the base model cost a copy;
+- dense (traced inline, for the compiler): all slots' A at once (one GEMM, [T, slots * rank]), the
+  ranks of other slots zeroed per token, then all slots' B (one GEMM).
+Either way a batch mixing adapters and base requests is one step.
 
 Tensor parallelism splits B by output rows for the column-parallel modules and A by input columns
 for the row-parallel ones (attn_dense, mlp_4h_to_h), whose partial products the block's all-reduce
@@ -43,6 +48,31 @@ def check_lora_config(lora_config: dict, config: PretrainedConfig) -> None:
                           f"{', '.join(MODULE_IDS)}")
     if config.moe.num_experts:
         raise ConfigError("LoRA on mixture-of-experts models is not supported yet")
+
+
+class StepAdapters:
+    """One step's LoRA inputs. `self(i, out, x, (module, column), ...)`: the output `out` of a linear
+    of input x at the stage's layer i, plus the updates of the listed modules, whose outputs sit at
+    those columns of out (q, k and v of the fused qkv; the two halves of gate_up). Row-parallel
+    modules add this rank's partial product, summed with the GEMM's by the block's all-reduce."""
+
+    def __init__(self, slots: torch.Tensor, ranks: torch.Tensor, pools: dict, segmented: bool):
+        self.slots, self.ranks, self.pools, self.segmented = slots, ranks, pools, segmented
+        if not segmented:
+            pool = next(iter(pools.values()))
+            self.mask = slot_mask(slots, pool.shape[1], pool.dtype)
+
+    def __call__(self, i: int, out: torch.Tensor, x: torch.Tensor, *columns: tuple[str, int]) -> torch.Tensor:
+        present = [(self.pools[m][i], c) for m, c in columns if m in self.pools]
+        if not present:
+            return out
+        if self.segmented:
+            return torch.ops.kiln_cpp.lora(out, x, self.slots, self.ranks, [p for p, _ in present],
+                                           [c for _, c in present])
+        for pool, c in present:
+            d = delta(x, self.mask, pool, x.shape[-1])
+            out = out + F.pad(d, (c, out.shape[-1] - c - d.shape[-1]))
+        return out
 
 
 def slot_mask(lora_slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:

@@ -29,6 +29,7 @@
 #define CPU_CAPABILITY_AVX2
 #include "gemm_kernel.h"
 #include "elementwise_kernel.h"
+#include "lora_kernel.h"
 #include "paged_attention_kernel.h"
 #include "sampler_kernel.h"
 #if defined(__clang__)

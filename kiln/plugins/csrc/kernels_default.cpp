@@ -4,5 +4,6 @@
 #define CPU_CAPABILITY_DEFAULT
 #include "gemm_kernel.h"
 #include "elementwise_kernel.h"
+#include "lora_kernel.h"
 #include "paged_attention_kernel.h"
 #include "sampler_kernel.h"

@@ -26,6 +26,7 @@
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
 #include "elementwise_kernel.h"
+#include "lora_kernel.h"
 #include "paged_attention_kernel.h"
 #include "sampler_kernel.h"
 #if defined(__clang__)

@@ -23,6 +23,49 @@ cli.add_command(triton_repo, "triton-repo")
 cli.add_command(triton_serve, "triton-serve")
 
 
+@cli.group()
+def lora():
+    """LoRA adapters (engines built with engine-build --lora_plugin auto)."""
+
+
+@lora.command("convert")
+@click.option("--lora_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="A Hugging Face PEFT adapter dir (adapter_config.json, adapter_model.safetensors).")
+@click.option("--model_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="The base model: a Kiln/TensorRT-LLM checkpoint or engine dir (its sizes check the adapter).")
+@click.option("--output_dir", required=True, type=click.Path(file_okay=False),
+              help="Where model.lora_weights.npy and model.lora_config.npy go (TensorRT-LLM's C++ runtime format, "
+                   "what Triton's lora_weights / lora_config inputs carry).")
+@click.option("--storage_type", type=click.Choice(["float16", "float32"]), default="float16", show_default=True)
+def lora_convert(lora_dir, model_dir, output_dir, storage_type):
+    """Convert a PEFT adapter into TensorRT-LLM's LoRA format (alpha / r folded into B)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from kiln.config import ConfigError, PretrainedConfig
+    from kiln.convert.lora import TRTLLM_CONFIG, TRTLLM_WEIGHTS, check_adapter, read_adapter, to_trtllm
+    from kiln.utils import replace_dir
+
+    try:
+        d = json.loads((Path(model_dir) / "config.json").read_text())
+        config = PretrainedConfig.from_dict(d.get("pretrained_config", d))
+        adapter = read_adapter(lora_dir, config)
+        check_adapter(adapter, config, {"max_lora_rank": adapter.rank, "lora_target_modules": adapter.modules})
+    except (ConfigError, OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    weights, rows = to_trtllm(adapter, storage_type)
+    out = Path(output_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    np.save(tmp / TRTLLM_WEIGHTS, weights)
+    np.save(tmp / TRTLLM_CONFIG, rows)
+    replace_dir(tmp, out)
+    click.echo(f"{len(rows[0])} LoRA rows (rank {adapter.rank}, {', '.join(adapter.modules)}) -> {out}")
+
+
 @cli.command("eval-ppl")
 @click.option("--engine_dir", required=True, type=click.Path(exists=True, file_okay=False),
               help="Engine dir written by engine-build.")

@@ -111,7 +111,7 @@ def grpc_inputs(**arrays) -> list:
     for name, value in arrays.items():
         value = np.asarray(value)
         dtype = {np.dtype(bool): "BOOL", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
-                 np.dtype(np.uint64): "UINT64", np.dtype(object): "BYTES"}[value.dtype]
+                 np.dtype(np.float16): "FP16", np.dtype(np.uint64): "UINT64", np.dtype(object): "BYTES"}[value.dtype]
         t = grpcclient.InferInput(name, list(value.shape), dtype)
         t.set_data_from_numpy(value)
         out.append(t)

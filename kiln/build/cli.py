@@ -74,7 +74,22 @@ def build_options(f):
     return f
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+class _Command(click.Command):
+    """TensorRT-LLM's `--lora_target_modules attn_q attn_k ...` (argparse's nargs='+'): the names after
+    the flag are read as if the flag were repeated before each."""
+
+    def parse_args(self, ctx, args):
+        out, listing = [], False
+        for arg in args:
+            if arg.startswith("-"):
+                listing = arg == "--lora_target_modules"
+            elif listing and out[-1] != "--lora_target_modules":
+                out.append("--lora_target_modules")
+            out.append(arg)
+        return super().parse_args(ctx, out)
+
+
+@click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--checkpoint_dir", required=True, type=click.Path(file_okay=False),
               help="Checkpoint dir written by convert_checkpoint (config.json, rank{N}.safetensors).")
 @click.option("--output_dir", required=True, type=click.Path(file_okay=False),

@@ -1,8 +1,12 @@
-"""Hugging Face PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors) -> each rank's
-adapter weights in TensorRT-LLM's layout: per target module and layer, A [r, in] and B [out, r] with
-alpha / r (rsLoRA: alpha / sqrt(r)) folded into B, split over tensor-parallel ranks as the layers they
-adapt (kiln/models/lora.py). Anything PEFT does that changes the math and Kiln does not implement is
-refused in one line (DoRA, modules_to_save, biases, per-module rank or alpha patterns, ...)."""
+"""LoRA adapters -> each rank's adapter weights in TensorRT-LLM's layout: per target module and layer,
+A [r, in] and B [out, r] with alpha / r (rsLoRA: alpha / sqrt(r)) folded into B, split over
+tensor-parallel ranks as the layers they adapt (kiln/models/lora.py).
+
+Read from a Hugging Face PEFT dir (adapter_config.json + adapter_model.safetensors), where anything
+PEFT does that changes the math and Kiln does not implement is refused in one line (DoRA,
+modules_to_save, biases, per-module rank or alpha patterns, ...); or from TensorRT-LLM's C++ runtime
+format (model.lora_weights.npy: a row per module and layer, A then B flattened; model.lora_config.npy:
+[module id, layer, rank] per row), which `kiln lora convert` writes and Triton requests carry."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +21,7 @@ from safetensors import safe_open
 
 from kiln.config import ConfigError, Mapping, PretrainedConfig, torch_dtype
 from kiln.convert.layout import output_ranges
-from kiln.models.lora import HF_MODULES, ROW_PARALLEL, module_shapes
+from kiln.models.lora import HF_MODULES, MODULE_IDS, ROW_PARALLEL, module_shapes
 
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # PEFT keys that must be at their neutral value: what they would change, Kiln does not compute.
@@ -36,11 +40,17 @@ class Adapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A, B)
 
 
-def read_adapter(adapter_dir) -> Adapter:
+def read_adapter(adapter_dir, config: PretrainedConfig) -> Adapter:
+    """config: the base model's (the TensorRT-LLM format's rows are split into A and B by its sizes)."""
     path = Path(adapter_dir)
     config_file = path / "adapter_config.json"
+    if not config_file.is_file() and (path / TRTLLM_WEIGHTS).is_file():
+        import numpy as np
+
+        return from_trtllm(path, np.load(path / TRTLLM_WEIGHTS), np.load(path / TRTLLM_CONFIG), config)
     if not config_file.is_file():
-        raise ConfigError(f"{config_file} not found (expected a PEFT LoRA adapter dir)")
+        raise ConfigError(f"{config_file} not found (expected a PEFT LoRA adapter dir, or {TRTLLM_WEIGHTS} and "
+                          f"{TRTLLM_CONFIG})")
     try:
         cfg = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
@@ -74,6 +84,65 @@ def read_adapter(adapter_dir) -> Adapter:
         raise ConfigError(f"{path}: the adapter has no LoRA tensors")
     return Adapter(path, rank, scale, sorted({m for _, m in pairs}),
                    {k: (ab["A"].float(), ab["B"].float() * scale) for k, ab in pairs.items()})
+
+
+TRTLLM_WEIGHTS, TRTLLM_CONFIG = "model.lora_weights.npy", "model.lora_config.npy"
+_MODULE_NAMES = {i: m for m, i in MODULE_IDS.items()}
+
+
+def from_trtllm(source, weights, rows, config: PretrainedConfig) -> Adapter:
+    """An adapter in TensorRT-LLM's C++ runtime format (B already scaled): `weights` [1?, rows, width],
+    `rows` [1?, rows, 3 or 4] of (module id, layer, rank[, is_dora]), numpy arrays as loaded or as a
+    Triton request's lora_weights / lora_config carry them; `source` names them in errors."""
+    import numpy as np
+
+    weights, rows = np.asarray(weights), np.asarray(rows)
+    weights = weights.reshape(weights.shape[-2:]) if weights.ndim == 3 and len(weights) == 1 else weights
+    rows = rows.reshape(rows.shape[-2:]) if rows.ndim == 3 and len(rows) == 1 else rows
+    if weights.ndim != 2 or rows.ndim != 2 or rows.shape[1] not in (3, 4) or len(rows) != len(weights):
+        raise ConfigError(f"{source}: LoRA weights {list(weights.shape)} and config {list(rows.shape)} are not "
+                          f"TensorRT-LLM's [rows, width] and [rows, 3] with a config row per weights row")
+    if not np.issubdtype(rows.dtype, np.integer) or not np.issubdtype(weights.dtype, np.floating):
+        raise ConfigError(f"{source}: LoRA config must be integers and weights floats, got {rows.dtype} and "
+                          f"{weights.dtype}")
+    shapes = module_shapes(dataclasses.replace(config, mapping=Mapping()))
+    pairs, ranks = {}, set()
+    for i, (row, (module_id, layer, rank, *dora)) in enumerate(zip(weights, rows.tolist())):
+        module = _MODULE_NAMES.get(module_id)
+        where = f"{source}: LoRA config row {i} ({module or f'module {module_id}'}, layer {layer}, rank {rank})"
+        if module is None:
+            raise ConfigError(f"{where}: module id {module_id} is not supported; expected one of "
+                              f"{', '.join(f'{i} ({m})' for m, i in MODULE_IDS.items())}")
+        if dora and dora[0]:
+            raise ConfigError(f"{where}: DoRA rows are not supported")
+        if not 0 <= layer < config.num_hidden_layers:
+            raise ConfigError(f"{where}: the model has layers 0..{config.num_hidden_layers - 1}")
+        size_in, size_out = shapes[module]
+        if rank < 1 or rank * (size_in + size_out) > len(row):
+            raise ConfigError(f"{where}: needs rank * {size_in + size_out} = {rank * (size_in + size_out)} "
+                              f"weights (A [{rank}, {size_in}] then B [{size_out}, {rank}]); its row has {len(row)}")
+        if (layer, module) in pairs:
+            raise ConfigError(f"{where}: a second row for the same module and layer")
+        flat = torch.from_numpy(np.ascontiguousarray(row[:rank * (size_in + size_out)])).float()
+        pairs[layer, module] = (flat[:rank * size_in].view(rank, size_in), flat[rank * size_in:].view(size_out, rank))
+        ranks.add(rank)
+    if not pairs:
+        raise ConfigError(f"{source}: the adapter has no LoRA rows")
+    return Adapter(Path(str(source)), max(ranks), 1.0, sorted({m for _, m in pairs}), pairs)
+
+
+def to_trtllm(adapter: Adapter, dtype: str = "float16"):
+    """The adapter in TensorRT-LLM's C++ runtime format: (weights [1, rows, width], config [1, rows, 3])."""
+    import numpy as np
+
+    items = sorted(adapter.weights.items(), key=lambda kv: (kv[0][0], MODULE_IDS[kv[0][1]]))
+    flat = [torch.cat([a.flatten(), b.flatten()]) for _, (a, b) in items]
+    width = max(len(f) for f in flat)
+    weights = torch.zeros(1, len(flat), width, dtype=torch_dtype(dtype))
+    for i, f in enumerate(flat):
+        weights[0, i, :len(f)] = f
+    rows = np.array([[[MODULE_IDS[m], layer, a.shape[0]] for (layer, m), (a, _) in items]], dtype=np.int32)
+    return weights.float().numpy().astype(np.float16 if dtype == "float16" else np.float32), rows
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -65,7 +65,7 @@ class Serving:
             raise APIError(400, f"The model `{name}` is already served", "lora_name")
         lora = LoRARequest(name, next(self._lora_ids), str(path))
         try:
-            self.llm.input_processor._check_lora(lora)
+            self.llm.input_processor.check_lora(lora)
         except ValueError as e:
             raise APIError(400, str(e), "lora_path") from None
         self.loras[name] = lora

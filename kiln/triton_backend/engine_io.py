@@ -30,7 +30,6 @@ REFUSED = {
     "embedding_bias": "embedding bias is not supported yet",
     **dict.fromkeys(("prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_ids"),
                     "prompt tables (p-tuning) are not supported yet"),
-    **dict.fromkeys(("lora_task_id", "lora_weights", "lora_config"), "LoRA adapters are not supported yet"),
     **dict.fromkeys(("runtime_top_p_min", "runtime_top_p_decay", "runtime_top_p_reset_ids"),
                     "top-p decay is not supported"),
     **dict.fromkeys(("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
@@ -87,6 +86,10 @@ class Row:
     perf_metrics: bool
     num_input_tokens: bool = False
     num_output_tokens: bool = False
+    # LoRA: the adapter's task id, and (its first request) its weights and config in TensorRT-LLM's format
+    lora_task_id: int | None = None
+    lora_weights: object = None
+    lora_config: object = None
 
 
 def _scalar(tensors: dict, name: str, batch: int, row: int):
@@ -113,6 +116,23 @@ def word_list(value, name: str) -> list[list[int]]:
         words.append(ids[start:end])
         start = end
     return words
+
+
+def lora_inputs(tensors: dict, batch: int, row: int) -> tuple:
+    """(lora_task_id, lora_weights, lora_config) of a batch row: 0 or no id is no adapter; weights and
+    config come together, with an id (TensorRT-LLM's cache keys them by it)."""
+    task = _scalar(tensors, "lora_task_id", batch, row)
+    weights, config = tensors.get("lora_weights"), tensors.get("lora_config")
+    if (weights is None) != (config is None):
+        raise RequestError("lora_weights and lora_config come together (the adapter's rows and their module, "
+                           "layer and rank)")
+    if weights is not None:
+        if not task:
+            raise RequestError("lora_weights and lora_config need a lora_task_id (>= 1) to cache the adapter under")
+        weights, config = np.asarray(weights), np.asarray(config)
+        if weights.ndim == 3:
+            weights, config = weights[row if len(weights) == batch else 0], config[row if len(config) == batch else 0]
+    return (task or None), weights, config
 
 
 def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool, vocab_size: int,
@@ -194,7 +214,8 @@ def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool
         rows.append(Row(prompt, params, streaming, bool(get("exclude_input_in_output", exclude_input_default)),
                         end_id, get("pad_id", end_id or 0),
                         bool(get("return_log_probs", False)), bool(get("return_perf_metrics", False)),
-                        bool(get("return_num_input_tokens", False)), bool(get("return_num_output_tokens", False))))
+                        bool(get("return_num_input_tokens", False)), bool(get("return_num_output_tokens", False)),
+                        *lora_inputs(tensors, batch, b)))
     return False, rows
 
 

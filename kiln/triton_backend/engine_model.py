@@ -10,8 +10,11 @@ under its request id, which then end with the tokens they have."""
 import asyncio
 import contextlib
 import json
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kiln.config import EngineConfig
@@ -67,11 +70,18 @@ class TritonPythonModel(EngineHost):
                             kv_cache_free_mem_fraction=p["kv_cache_free_gpu_mem_fraction"],
                             max_tokens_in_paged_kv_cache=p["max_tokens_in_paged_kv_cache"])
         self.tokenizer = self.llm.tokenizer
+        # LoRA adapters by lora_task_id, each written where its first request's weights came in
+        self.lora_tasks: dict[int, object] = {}
+        self.lora_root = tempfile.TemporaryDirectory(prefix="kiln-lora-tasks-")
         self.start(self.llm, EngineMetrics(args["model_name"], args["model_version"],
                                            engine.build_config.max_batch_size, self.tokens_per_block),
                    p["stats_check_period_ms"] / 1000, "kiln-triton")
 
     # -- Triton's calls ------------------------------------------------------------------------
+    def finalize(self):
+        super().finalize()
+        self.lora_root.cleanup()
+
     def execute(self, requests):
         for request in requests:
             tensors = {t.name(): t.as_numpy() for t in request.inputs()}
@@ -93,13 +103,17 @@ class TritonPythonModel(EngineHost):
         if stop:
             await self._stop(triton_id, sender)
             return
+        try:
+            loras = [self._lora(row) for row in rows]
+        except (RequestError, ValueError) as e:
+            return self._send_error(sender, str(e))
         key = next(self.ids)
         job = Job(triton_id, sender, wanted, rows, [f"trt-{key}-{b}" for b in range(len(rows))])
         job.remaining = len(rows)
         self.jobs[key] = job
         try:
-            streams = [self.llm.generate({"prompt_token_ids": row.prompt}, row.params, rid)
-                       for row, rid in zip(rows, job.engine_ids)]
+            streams = [self.llm.generate({"prompt_token_ids": row.prompt}, row.params, rid, lora)
+                       for row, rid, lora in zip(rows, job.engine_ids, loras)]
             # every row added (or refused) before any response: a bad row fails the whole request
             firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
             errors = [e for e in firsts if isinstance(e, BaseException)]
@@ -119,6 +133,36 @@ class TritonPythonModel(EngineHost):
             pass
         finally:
             self.jobs.pop(key, None)
+
+    def _lora(self, row):
+        """The row's adapter: cached under its lora_task_id by the first request that sent its weights
+        and config (TensorRT-LLM's format; weights sent again for a cached id are not read again)."""
+        from kiln.convert.lora import TRTLLM_CONFIG, TRTLLM_WEIGHTS, check_adapter, from_trtllm
+        from kiln.runtime.lora_request import LoRARequest
+
+        task = row.lora_task_id
+        if task is None:
+            return None
+        if task not in self.lora_tasks:
+            if row.lora_weights is None:
+                raise RequestError(f"lora_task_id {task} is not cached: send lora_weights and lora_config with "
+                                   f"its first request")
+            info = self.llm.input_processor.info
+            if info.build_config.lora_config is None:
+                raise RequestError(f"lora_task_id {task}: the engine was built without adapters "
+                                   f"(engine-build --lora_plugin auto --lora_target_modules ...)")
+            source = f"lora_task_id {task}: lora_weights / lora_config"
+            try:  # checked before it is written, so that the error names the inputs
+                adapter = from_trtllm(source, row.lora_weights, row.lora_config, info.model_config)
+                check_adapter(adapter, info.model_config, info.build_config.lora_config)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+            path = Path(self.lora_root.name) / str(task)
+            path.mkdir(exist_ok=True)
+            np.save(path / TRTLLM_WEIGHTS, row.lora_weights)
+            np.save(path / TRTLLM_CONFIG, row.lora_config)
+            self.lora_tasks[task] = LoRARequest(f"lora_task_{task}", task, str(path))
+        return self.lora_tasks[task]
 
     async def _row(self, job: Job, tracker: Tracker, stream, first) -> None:
         out = first

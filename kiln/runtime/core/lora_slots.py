@@ -52,7 +52,8 @@ class LoraSlots:
         return len(self.slot_of), sum(u > 0 for u in self.users), len(self.users)
 
     def _adapter(self, lora) -> Adapter:
-        adapter = self.adapters.pop(lora.lora_int_id, None) or read_adapter(lora.lora_path)
+        adapter = self.adapters.pop(lora.lora_int_id, None) or read_adapter(lora.lora_path,
+                                                                             self.executor.config.pretrained_config)
         self.adapters[lora.lora_int_id] = adapter
         while len(self.adapters) > self.max_cpu_loras:
             self.adapters.popitem(last=False)

@@ -54,7 +54,8 @@ class RankWorker:
         from kiln.convert.lora import rank_weights, read_adapter
 
         lora_config = self.engine.config.build_config.lora_config
-        self.engine.set_lora(slot, rank_weights(read_adapter(adapter_dir), self.pretrained, lora_config, self.rank))
+        adapter = read_adapter(adapter_dir, self.pretrained)
+        self.engine.set_lora(slot, rank_weights(adapter, self.pretrained, lora_config, self.rank))
 
     def execute(self, inputs: dict) -> torch.Tensor | None:
         """Logits on the rank that returns them, else None."""

@@ -16,7 +16,7 @@ class InputProcessor:
                 lora_request=None) -> tuple[EngineCoreRequest, RequestState]:
         params = params or SamplingParams()
         if lora_request is not None:
-            self._check_lora(lora_request)
+            self.check_lora(lora_request)
         text, token_ids = self._tokenize(prompt)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
@@ -59,7 +59,7 @@ class InputProcessor:
                                   lora_request),
                 RequestState(request_id, text, token_ids, params, now))
 
-    def _check_lora(self, lora) -> None:
+    def check_lora(self, lora) -> None:
         """The adapter is one the engine runs (read once per lora_int_id; a bad one fails its request)."""
         from kiln.convert.lora import check_adapter, read_adapter
         from kiln.runtime.lora_request import LoRARequest
@@ -74,7 +74,7 @@ class InputProcessor:
         if known is not None and known != str(lora.lora_path):
             raise ValueError(f"lora_int_id {lora.lora_int_id} names {known}; {lora.lora_path} needs an id of its own")
         if known is None:
-            check_adapter(read_adapter(lora.lora_path), self.info.model_config, lora_config)
+            check_adapter(read_adapter(lora.lora_path, self.info.model_config), self.info.model_config, lora_config)
             self.loras[lora.lora_int_id] = str(lora.lora_path)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:

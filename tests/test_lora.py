@@ -63,16 +63,29 @@ def mixed(hf_model, adapters):
 
 
 def _generate_mixed(engine_dir, prompts, loras):
-    """The prompts in one batch, twice (the second time from the prefix cache, whose blocks are keyed by
-    adapter); two slots for three adapters (one waits for a slot), a KV pool that preempts."""
+    """The prompts in one batch, twice, with two slots for three adapters (one waits for a slot) and a
+    KV pool that preempts; then prompt 3 again under its adapter, served from the prefix cache, and
+    under prompt 4's adapter right after, which must not be (blocks are keyed by adapter)."""
     from kiln import LLM, SamplingParams
 
     llm = LLM(engine_dir, skip_tokenizer_init=True, max_loras=2, max_cpu_loras=1, max_tokens_in_paged_kv_cache=96)
     try:
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)  # EOS masked, as HF
-        runs = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                             lora_request=loras)] for _ in range(2)]
+
+        def generate(ps, ls):
+            return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                                lora_request=ls)]
+
+        runs = [generate(prompts, loras) for _ in range(2)]
         assert runs[0] == runs[1]
+        assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+        assert generate(prompts[3:4], loras[3:4]) == runs[0][3:4]
+        hits = llm.llm_engine.get_stats()["prefix_cache_hits"]
+        assert generate(prompts[3:4], loras[3:4]) == runs[0][3:4]
+        assert llm.llm_engine.get_stats()["prefix_cache_hits"] >= hits + 3 * 8  # its three full blocks
+        hits = llm.llm_engine.get_stats()["prefix_cache_hits"]
+        assert generate(prompts[4:5], loras[4:5]) == runs[0][4:5]
+        assert llm.llm_engine.get_stats()["prefix_cache_hits"] == hits
         return runs[0]
     finally:
         llm.llm_engine.shutdown()
@@ -83,8 +96,80 @@ LORA_BUILD = {"max_lora_rank": 8, "lora_target_modules": MODULES}
 
 @pytest.mark.parametrize("backend", ["eager", "aoti"])
 def test_adapters_mixed_with_base_requests_match_peft(backend, engine, mixed):
+    """eager: the dense updates traced inline; aoti on the C++ GEMM plugin: kiln_cpp::lora's segmented ones."""
     prompts, loras, want = mixed
-    assert _generate_mixed(engine("llama", backend, lora_config=LORA_BUILD), prompts, loras) == want
+    overrides = {"plugin_config": {"gemm_plugin": "cpp"}} if backend == "aoti" else {}
+    assert _generate_mixed(engine("llama", backend, lora_config=LORA_BUILD, **overrides), prompts, loras) == want
+
+
+def check_segmented(dtype: torch.dtype) -> None:
+    """kiln_cpp::lora against the inline path, on a fused qkv output: three pools at their columns,
+    slots of different ranks (one empty), base-model tokens between, padding rows past a rank ignored."""
+    from kiln.models.lora import StepAdapters
+    from kiln.plugins import cpp
+
+    cpp.load()
+    g = torch.Generator().manual_seed(0)
+    T, k, slots, max_rank, outs = 37, 100, 3, 8, {"attn_q": 96, "attn_k": 40, "attn_v": 40}
+    ranks = torch.tensor([8, 3, 0])
+    pools = {m: torch.zeros(2, slots, max_rank, k + n) for m, n in outs.items()}
+    for pool in pools.values():
+        for s in range(slots):
+            pool[:, s, :ranks[s]] = torch.randn(2, int(ranks[s]), pool.shape[-1], generator=g)
+    pools = {m: p.to(dtype) for m, p in pools.items()}
+    x, base = torch.randn(T, k, generator=g).to(dtype), torch.randn(T, 176, generator=g).to(dtype)
+    lora_slots = torch.randint(-1, slots, (T,), generator=g)
+    columns = [("attn_q", 0), ("attn_k", 96), ("attn_v", 136)]
+    want = StepAdapters(lora_slots, ranks, pools, segmented=False)(1, base, x, *columns).float()
+    got = StepAdapters(lora_slots, ranks, pools, segmented=True)(1, base, x, *columns).float()
+    tol = 1e-5 if dtype == torch.float32 else 1 / 64  # the bf16 paths round the update, or its rank sums, first
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    assert torch.equal(got[lora_slots == -1], base[lora_slots == -1].float())
+    # a slot's rows past its rank are not read: garbage there changes nothing
+    for pool in pools.values():
+        pool[:, 1, 3:] = float("nan")
+    assert torch.equal(StepAdapters(lora_slots, ranks, pools, segmented=True)(1, base, x, *columns).float(), got)
+    torch.library.opcheck(torch.ops.kiln_cpp.lora.default,
+                          (base, x, lora_slots, ranks, [p[0] for p in pools.values()], [0, 96, 136]))
+
+
+# native: AVX512_BF16's vdpbf16ps kernel for bf16 (csrc/lora_bf16.cpp) where the CPU has it; the
+# generic kernel (csrc/lora_kernel.h) as ATen's AVX-512, AVX2 and default builds compile it
+ISAS = {"native": {}, "avx512": {"KILN_CPU_ISA": "avx512"}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
+        "default": {"ATEN_CPU_CAPABILITY": "default"}}
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+def test_segmented_op_matches_dense_updates(isa):
+    import os
+    import subprocess
+    import sys
+
+    if isa == "native":
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            check_segmented(dtype)
+        return
+    script = "import torch, test_lora\nfor d in (torch.float32, torch.bfloat16): test_lora.check_segmented(d)"
+    env = {**os.environ, **ISAS[isa], "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
+                                                                       os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(lora_slots=torch.full((4,), 3)), "token 0 has slot 3; the pools hold 2"),
+    (dict(lora_ranks=torch.tensor([9, 0])), "slot 0 has rank 9, the pools hold 8"),
+    (dict(offsets=[40]), "pool 0's 32 outputs at column 40 do not fit base's 64"),
+    (dict(x=torch.randn(4, 16, dtype=torch.float64)), "x must be base's dtype"),
+])
+def test_segmented_op_bad_inputs(args, message):
+    from kiln.plugins import cpp
+
+    cpp.load()
+    call = {**dict(base=torch.zeros(4, 64), x=torch.zeros(4, 16), lora_slots=torch.zeros(4, dtype=torch.int64),
+                   lora_ranks=torch.tensor([8, 0]), pools=[torch.zeros(2, 8, 48)], offsets=[0]), **args}
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(")):
+        torch.ops.kiln_cpp.lora(*call.values())
 
 
 def test_tp2_matches_peft(hf_model, mixed, tmp_path):
@@ -175,3 +260,69 @@ def test_kiln_serve_serves_adapters_as_models(engine, hf_model, adapters, mixed,
             complete("mlp", 3)
     finally:
         server.stop()
+
+
+def test_triton_lora_task_ids(engine, adapters, mixed, tmp_path):
+    """TensorRT-LLM's protocol: the first request of a task sends lora_weights and lora_config (as
+    `kiln lora convert` writes them), later ones the lora_task_id alone; an unknown id is an error
+    naming it, and the server keeps serving."""
+    import numpy as np
+    from click.testing import CliRunner
+
+    from kiln.cli import cli
+    from triton_client import Stream, Triton, engine_inputs, grpc_inputs
+
+    prompts, _, want = mixed
+    e = engine("llama", lora_config=LORA_BUILD)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["lora", "convert", "--lora_dir", str(adapters["qv"]), "--model_dir", str(e),
+                                 "--output_dir", str(tmp_path / "qv")])
+    assert result.exit_code == 0, result.output
+    weights, config = (np.load(tmp_path / "qv" / f"model.lora_{name}.npy") for name in ("weights", "config"))
+    assert weights.dtype == np.float16 and config.shape[2] == 3
+    result = runner.invoke(cli, ["triton-repo", "--engine_dir", str(e), "--output_dir", str(tmp_path / "repo")])
+    assert result.exit_code == 0, result.output
+    server = Triton(tmp_path / "repo", tmp_path / "server.log")
+    stream = Stream(server)
+    try:
+
+        def generate(prompt, **lora):
+            inputs = engine_inputs(prompt, NEW_TOKENS, min_tokens=NEW_TOKENS, exclude_input_in_output=True)
+            out = stream.call("tensorrt_llm", inputs + grpc_inputs(**lora))
+            return out.as_numpy("output_ids")[0, 0, :NEW_TOKENS].tolist()
+
+        task = {"lora_task_id": np.array([[7]], np.uint64)}
+        # fp16 weights: the first tokens as PEFT's float32 (a later one may differ by the rounding)
+        first = generate(prompts[0], **task, lora_weights=weights, lora_config=config)
+        assert first[:4] == want[0][:4]
+        assert generate(prompts[0], **task) == first  # the id alone: the cached adapter
+        assert generate(prompts[1]) == want[1]  # the base model beside it
+        with pytest.raises(Exception, match="lora_task_id 8 is not cached"):
+            generate(prompts[0], lora_task_id=np.array([[8]], np.uint64))
+        with pytest.raises(Exception, match="rank 16 exceeds|lora_config"):
+            generate(prompts[0], lora_task_id=np.array([[9]], np.uint64), lora_weights=weights,
+                     lora_config=np.where(np.arange(3) == 2, 16, config).astype(np.int32))
+        assert generate(prompts[0], **task) == first
+    finally:
+        stream.close()
+        server.stop()
+
+
+def test_engine_build_takes_tensorrt_llm_flags(checkpoint, tmp_path):
+    """`--lora_target_modules attn_q attn_v` as TensorRT-LLM's trtllm-build takes it (names after one flag)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kiln.build.cli import main
+
+    ckpt = str(checkpoint("llama"))
+    result = CliRunner().invoke(main, ["--checkpoint_dir", ckpt, "--output_dir", str(tmp_path / "e"), "--backend", "eager",
+                                       "--lora_plugin", "auto", "--lora_target_modules", "attn_q", "attn_v",
+                                       "mlp_4h_to_h", "--max_lora_rank", "4", "--max_batch_size", "2"])
+    assert result.exit_code == 0, result.output
+    lora = json.loads((tmp_path / "e" / "config.json").read_text())["build_config"]["lora_config"]
+    assert lora == {"max_lora_rank": 4, "lora_target_modules": ["attn_q", "attn_v", "mlp_4h_to_h"]}
+    result = CliRunner().invoke(main, ["--checkpoint_dir", ckpt, "--output_dir", str(tmp_path / "f"),
+                                       "--lora_target_modules", "attn_q"])
+    assert result.exit_code != 0 and "--lora_target_modules needs --lora_plugin auto" in result.output

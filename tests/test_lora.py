@@ -264,12 +264,15 @@ def test_kiln_serve_serves_adapters_as_models(engine, hf_model, adapters, mixed,
 
 def test_triton_lora_task_ids(engine, adapters, mixed, tmp_path):
     """TensorRT-LLM's protocol: the first request of a task sends lora_weights and lora_config (as
-    `kiln lora convert` writes them), later ones the lora_task_id alone; an unknown id is an error
-    naming it, and the server keeps serving."""
+    `kiln lora convert` writes them), later ones the lora_task_id alone, on tensorrt_llm and through the
+    ensemble; an unknown id is an error naming it, and the server keeps serving."""
+    import httpx
     import numpy as np
     from click.testing import CliRunner
 
+    from kiln import LLM, LoRARequest, SamplingParams
     from kiln.cli import cli
+    from tiny_models import PROMPTS
     from triton_client import Stream, Triton, engine_inputs, grpc_inputs
 
     prompts, _, want = mixed
@@ -303,6 +306,18 @@ def test_triton_lora_task_ids(engine, adapters, mixed, tmp_path):
             generate(prompts[0], lora_task_id=np.array([[9]], np.uint64), lora_weights=weights,
                      lora_config=np.where(np.arange(3) == 2, 16, config).astype(np.int32))
         assert generate(prompts[0], **task) == first
+        # through the ensemble (text in, text out) the cached task alone, as the LLM API runs the converted dir
+        body = {"text_input": PROMPTS[0], "max_tokens": 8, "exclude_input_in_output": True}
+        text = httpx.post(f"{server.url}/v2/models/ensemble/generate", json={**body, "lora_task_id": 7}, timeout=60)
+        assert text.status_code == 200, text.text
+        llm = LLM(e)
+        try:
+            ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8),
+                               lora_request=LoRARequest("qv_fp16", 1, str(tmp_path / "qv")))[0].outputs[0].text
+        finally:
+            llm.llm_engine.shutdown()
+        assert text.json()["text_output"] == ref
+        assert httpx.post(f"{server.url}/v2/models/ensemble/generate", json=body).json()["text_output"] != ref
     finally:
         stream.close()
         server.stop()

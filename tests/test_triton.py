@@ -415,7 +415,7 @@ def test_bad_input_is_an_error_naming_it_and_the_server_keeps_serving(http, mode
         ({"max_tokens": 4}, "text_input"),
         ({"text_input": "x", "max_tokens": 0}, "max_tokens"),
         ({"text_input": "x", "max_tokens": 4, "beam_width": 8}, "beam_width must be in [1, 4]"),
-        ({"text_input": "x", "max_tokens": 4, "lora_task_id": 3}, "lora_task_id: LoRA adapters are not supported"),
+        ({"text_input": "x", "max_tokens": 4, "lora_task_id": 3}, "lora_task_id 3: the engine was built without adapters"),
         ({"text_input": "x " * 300, "max_tokens": 4}, "max_input_len"),
         ({"text_input": "x", "max_tokens": 4, "top_p": 1.5}, "top_p"),
     ]

@@ -143,14 +143,14 @@ class TritonPythonModel(EngineHost):
         task = row.lora_task_id
         if task is None:
             return None
+        info = self.llm.input_processor.info
+        if info.build_config.lora_config is None:
+            raise RequestError(f"lora_task_id {task}: the engine was built without adapters "
+                               f"(engine-build --lora_plugin auto --lora_target_modules ...)")
         if task not in self.lora_tasks:
             if row.lora_weights is None:
                 raise RequestError(f"lora_task_id {task} is not cached: send lora_weights and lora_config with "
                                    f"its first request")
-            info = self.llm.input_processor.info
-            if info.build_config.lora_config is None:
-                raise RequestError(f"lora_task_id {task}: the engine was built without adapters "
-                                   f"(engine-build --lora_plugin auto --lora_target_modules ...)")
             source = f"lora_task_id {task}: lora_weights / lora_config"
             try:  # checked before it is written, so that the error names the inputs
                 adapter = from_trtllm(source, row.lora_weights, row.lora_config, info.model_config)

@@ -68,13 +68,14 @@ def test_matches_reference(op, step, block_size, heads, head_dim):
     _check(op(q16, cache16, *args[2:]), expected16, torch.bfloat16, "bfloat16")
 
 
-@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (80, 16), (46, 7)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 64), (80, 16), (46, 7)])
 def test_bf16_context_kernel(op, tmp_path, head_dim, block_size):
     """Context tiles of a bf16 q over a bf16 pool run on bf16 dot products where the CPU has
-    AVX512_BF16 (csrc/attention_bf16.cpp), and on the float kernel with KILN_CPU_ISA=avx512: both within
-    bf16 tolerance of the reference. Their results differ (the bf16 kernel rounds P to bf16), which
-    shows which kernel ran. Prefills long and short, one past cached tokens, GQA 3, a head_dim off 32
-    and a page of an odd size."""
+    AVX512_BF16 (csrc/attention_bf16.cpp; on AMX tiles too where it has AMX and head_dim is a multiple
+    of 32), on vdpbf16ps alone with KILN_CPU_ISA=avx512_bf16, and on the float kernel with
+    KILN_CPU_ISA=avx512: all within bf16 tolerance of the reference. The float kernel's results differ
+    (the bf16 ones round P to bf16), which shows which kernel ran. Prefills long and short, one past
+    cached tokens, GQA 3, a head_dim off 32 and a page of an odd size."""
     from safetensors.torch import load_file, save_file
 
     cpp.load()
@@ -95,18 +96,23 @@ def test_bf16_context_kernel(op, tmp_path, head_dim, block_size):
         from safetensors.torch import load_file, save_file
         from kiln.plugins import cpp
         cpp.load()
-        assert "avx512_bf16" not in torch.ops.kiln_cpp.cpu_features()
+        assert "amx_bf16" not in torch.ops.kiln_cpp.cpu_features()
         t = load_file({str(tmp_path / "args.safetensors")!r})
         args = [t[str(i)] if str(i) in t else a for i, a in enumerate({[None if torch.is_tensor(a) else a
                                                                           for a in args]!r})]
         save_file({{"out": torch.ops.kiln_cpp.paged_attention(*args)}}, {str(tmp_path / "out.safetensors")!r})
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "KILN_CPU_ISA": "avx512"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    floats = load_file(tmp_path / "out.safetensors")["out"]
+    def run(isa):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "KILN_CPU_ISA": isa})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return load_file(tmp_path / "out.safetensors")["out"]
+
+    floats = run("avx512")
     _check(floats, expected, torch.bfloat16, "float kernel")
     assert not torch.equal(ours, floats)
+    if "amx_bf16" in torch.ops.kiln_cpp.cpu_features().split(","):
+        _check(run("avx512_bf16"), expected, torch.bfloat16, "vdpbf16ps kernel without AMX")
 
 
 @pytest.mark.parametrize("head_dim", [8, 12, 40, 72])  # tails of the 8-wide (AVX2) / 16-wide (AVX-512) vectors

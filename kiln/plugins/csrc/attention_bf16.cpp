@@ -13,6 +13,15 @@
 //  - O^T += V^T P^T: P^T goes to bf16 pairs of keys (t, t + 1) per row lane, and each V element pair
 //    (V[t][d], V[t + 1][d]) is broadcast against it; O^T [D][rows] stays float, rescaled per page.
 // P is rounded to bf16 before P.V, as GPU flash attention does; scores, the softmax and O stay float.
+//
+// Where the CPU has AMX (and D is a multiple of 32), both products of each 16 keys (S^T) and 32 keys
+// (O^T) run on tiles instead, 16x the work of a vdpbf16ps per instruction, in the same layouts:
+//  - S^T = K Q^T: A is 16 keys x 32 d read straight from the pool (rows token_stride apart), B the
+//    query pair panels above, C a 16 x 16 block of S^T;
+//  - O^T += V^T P^T: B is 16 rows of P^T's key pairs, A the V page's pairs transposed into 16 d x 16
+//    key pairs (one 16 x 16 transpose of 32-bit words per 16 d and 32 keys), C a block of O^T, which
+//    the online softmax's rescale has already multiplied in place.
+// A page's last keys short of a whole tile take the vdpbf16ps code.
 
 #include "gemm.h"
 #include "paged_attention.h"
@@ -30,12 +39,12 @@
 #include <type_traits>
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"))), \
+#pragma clang attribute push(__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"))), \
                              apply_to = function)
 #else
 #pragma GCC push_options
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #endif
 
 namespace kiln {
@@ -84,6 +93,7 @@ struct Tile {
   float* s;      // [block_size][width] a page's S^T, then P^T
   uint32_t* pp;  // [block_size / 2][width] P^T as bf16 pairs of keys (t, t + 1)
   uint32_t* vp;  // [block_size / 2][Dv] V as bf16 pairs of keys (t, t + 1), Dv = D rounded up to 32
+  uint32_t* vt;  // AMX: [D / 16][16 d][16 key pairs] one 16-key-pair chunk of vp, transposed
   float* o;      // [D][width] O^T
   float* m;      // [width] running max
   float* l;      // [width] running sum
@@ -103,6 +113,7 @@ Tile carve(const AttentionParams& p, int64_t n_q, float* scratch) {
   t.s = take(bs * t.width);
   t.pp = reinterpret_cast<uint32_t*>(take(bs / 2 * t.width));
   t.vp = reinterpret_cast<uint32_t*>(take(bs / 2 * up(D, 32)));
+  t.vt = reinterpret_cast<uint32_t*>(take(up(D, 16) * 16));
   t.o = take(D * t.width);
   t.m = take(t.width);
   t.l = take(t.width);
@@ -153,8 +164,8 @@ inline void scores_tile(const Tile& t, const uint16_t* kp, int64_t token_stride,
 
 template <int NP>
 void scores_panels(const Tile& t, const uint16_t* kp, int64_t token_stride, int64_t pairs, int64_t n, int64_t c0,
-                   float mul) {
-  int64_t k = 0;
+                   float mul, int64_t k_begin = 0) {
+  int64_t k = k_begin;
   for (; k + 4 <= n; k += 4) scores_tile<4, NP>(t, kp, token_stride, pairs, k, c0, mul);
   switch (n - k) {
     case 3: scores_tile<3, NP>(t, kp, token_stride, pairs, k, c0, mul); break;
@@ -167,13 +178,14 @@ void scores_panels(const Tile& t, const uint16_t* kp, int64_t token_stride, int6
 // O^T[d0 + m][c0 * 16 ..] = O^T * corr + sum over key pairs of V pairs x P^T pairs, for DR rows of
 // O^T x NP panels.
 template <int DR, int NP>
-inline void pv_tile(const Tile& t, int64_t key_pairs, int64_t Dv, int64_t d0, int64_t c0) {
+inline void pv_tile(const Tile& t, int64_t kp_begin, int64_t key_pairs, int64_t Dv, int64_t d0, int64_t c0,
+                    bool rescale) {
   __m512 acc[DR][NP];
   for (int j = 0; j < NP; ++j) {
-    const __m512 c = _mm512_loadu_ps(t.corr + (c0 + j) * L);
+    const __m512 c = rescale ? _mm512_loadu_ps(t.corr + (c0 + j) * L) : _mm512_set1_ps(1.f);
     for (int m = 0; m < DR; ++m) acc[m][j] = _mm512_mul_ps(_mm512_loadu_ps(t.o + (d0 + m) * t.width + (c0 + j) * L), c);
   }
-  for (int64_t kp = 0; kp < key_pairs; ++kp) {
+  for (int64_t kp = kp_begin; kp < key_pairs; ++kp) {
     __m512i pr[NP];
     for (int j = 0; j < NP; ++j) pr[j] = _mm512_loadu_si512(t.pp + kp * t.width + (c0 + j) * L);
     for (int m = 0; m < DR; ++m) {
@@ -184,14 +196,16 @@ inline void pv_tile(const Tile& t, int64_t key_pairs, int64_t Dv, int64_t d0, in
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(t.o + (d0 + m) * t.width + (c0 + j) * L, acc[m][j]);
 }
 
+// Key pairs [kp_begin, key_pairs); rescale: O^T by corr first (the AMX path has done it already).
 template <int NP>
-void pv_panels(const Tile& t, int64_t key_pairs, int64_t D, int64_t Dv, int64_t c0) {
+void pv_panels(const Tile& t, int64_t kp_begin, int64_t key_pairs, int64_t D, int64_t Dv, int64_t c0,
+               bool rescale = true) {
   int64_t d = 0;
-  for (; d + 4 <= D; d += 4) pv_tile<4, NP>(t, key_pairs, Dv, d, c0);
+  for (; d + 4 <= D; d += 4) pv_tile<4, NP>(t, kp_begin, key_pairs, Dv, d, c0, rescale);
   switch (D - d) {
-    case 3: pv_tile<3, NP>(t, key_pairs, Dv, d, c0); break;
-    case 2: pv_tile<2, NP>(t, key_pairs, Dv, d, c0); break;
-    case 1: pv_tile<1, NP>(t, key_pairs, Dv, d, c0); break;
+    case 3: pv_tile<3, NP>(t, kp_begin, key_pairs, Dv, d, c0, rescale); break;
+    case 2: pv_tile<2, NP>(t, kp_begin, key_pairs, Dv, d, c0, rescale); break;
+    case 1: pv_tile<1, NP>(t, kp_begin, key_pairs, Dv, d, c0, rescale); break;
     default: break;
   }
 }
@@ -268,6 +282,115 @@ void pair_keys(const Tile& t, const uint16_t* vp, int64_t token_stride, int64_t 
   }
 }
 
+// ---------------------------------------------------------------------------------------------- AMX
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows x 64 bytes. Configured per work item: another library (oneDNN) may have
+// configured this thread's tiles otherwise.
+void configure_tiles() {
+  TileConfig c{};
+  c.palette_id = 1;
+  for (int i = 0; i < 8; ++i) {
+    c.rows[i] = 16;
+    c.colsb[i] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// S^T rows k0 .. k0 + 16 of the page, every panel: tmm0-1 A (K, 32 d each), tmm2 B, tmm3 C.
+void amx_scores(const Tile& t, const uint16_t* kp, int64_t token_stride, int64_t D, int64_t k0, float mul) {
+  const uint16_t* key = kp + k0 * token_stride;
+  const int64_t lda = token_stride * 2, ldb = t.width * 4;
+  const __m512 vm = _mm512_set1_ps(mul);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // two A tiles of 32 d at a time
+    const bool two = d0 + 32 < D;
+    _tile_loadd(0, key + d0, lda);
+    if (two) _tile_loadd(1, key + d0 + 32, lda);
+    for (int64_t c = 0; c < t.panels; ++c) {
+      float* s = t.s + k0 * t.width + c * L;
+      if (d0 == 0) {
+        _tile_zero(3);
+      } else {
+        _tile_loadd(3, s, ldb);
+      }
+      _tile_loadd(2, t.qp + (d0 / 2) * t.width + c * L, ldb);
+      _tile_dpbf16ps(3, 0, 2);
+      if (two) {
+        _tile_loadd(2, t.qp + (d0 / 2 + 16) * t.width + c * L, ldb);
+        _tile_dpbf16ps(3, 1, 2);
+      }
+      _tile_stored(3, s, ldb);
+    }
+  }
+  for (int64_t k = 0; k < 16; ++k)
+    for (int64_t x = 0; x < t.width; x += L) {
+      float* s = t.s + (k0 + k) * t.width + x;
+      _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_loadu_ps(s), vm));
+    }
+}
+
+// out[j][i] = in[i * stride + j], 16 x 16 32-bit words.
+void transpose16(const uint32_t* in, int64_t stride, uint32_t* out) {
+  __m512i r[16], u[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(in + i * stride);
+  for (int i = 0; i < 16; i += 2) {
+    u[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    u[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(u[i], u[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(u[i], u[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(u[i + 1], u[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(u[i + 1], u[i + 3]);
+  }
+  // r[4b + j] holds, in each 128-bit lane l, column 4l + j of rows 4b .. 4b + 3
+  for (int b = 0; b < 2; ++b)
+    for (int j = 0; j < 4; ++j) {
+      u[8 * b + j] = _mm512_shuffle_i32x4(r[8 * b + j], r[8 * b + 4 + j], 0x88);
+      u[8 * b + 4 + j] = _mm512_shuffle_i32x4(r[8 * b + j], r[8 * b + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(u[j], u[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(u[j], u[8 + j], 0xdd);
+  }
+  for (int q = 0; q < 16; ++q) _mm512_storeu_si512(out + q * 16, r[q]);  // r[q]: column q
+}
+
+// O^T += V^T P^T over key pairs kp0 .. kp0 + 16 (32 keys), every d block and panel: tmm4 A (V^T),
+// tmm5 B (P^T pairs), tmm6 C.
+void amx_pv(const Tile& t, int64_t kp0, int64_t D, int64_t Dv) {
+  const int64_t ld = t.width * 4;
+  for (int64_t d0 = 0; d0 < D; d0 += 16) transpose16(t.vp + kp0 * Dv + d0, Dv, t.vt + d0 * 16);
+  for (int64_t c = 0; c < t.panels; ++c) {
+    _tile_loadd(5, t.pp + kp0 * t.width + c * L, ld);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      float* o = t.o + d0 * t.width + c * L;
+      _tile_loadd(4, t.vt + d0 * 16, 64);
+      _tile_loadd(6, o, ld);
+      _tile_dpbf16ps(6, 4, 5);
+      _tile_stored(6, o, ld);
+    }
+  }
+}
+
+// O^T *= corr, per lane (the online softmax's rescale for this page).
+void rescale_o(const Tile& t, int64_t D) {
+  for (int64_t x = 0; x < t.width; x += L) {
+    const __m512 c = _mm512_loadu_ps(t.corr + x);
+    for (int64_t d = 0; d < D; ++d) {
+      float* o = t.o + d * t.width + x;
+      _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), c));
+    }
+  }
+}
+
 void store_rows(const AttentionParams& p, const WorkItem& it, const Tile& t) {
   const int64_t G = p.num_heads / p.num_kv_heads, D = p.head_dim;
   auto* out = static_cast<c10::BFloat16*>(p.out);
@@ -289,12 +412,14 @@ bool context_bf16_fits(const AttentionParams& p, const WorkItem& it) {
 int64_t context_bf16_scratch(const AttentionParams& p, int64_t n_q) {
   const int64_t width = up(n_q * (p.num_heads / p.num_kv_heads), L), D = p.head_dim, bs = up(p.block_size, 2);
   return up(D / 2 * width, 16) + up(bs * width, 16) + up(bs / 2 * width, 16) + up(bs / 2 * up(D, 32), 16) +
-         up(D * width, 16) + 4 * up(width, 16);
+         up(D, 16) * 16 + up(D * width, 16) + 4 * up(width, 16);
 }
 
-void attend_context_bf16(const AttentionParams& p, const WorkItem& it, float* scratch) {
+void attend_context_bf16(const AttentionParams& p, const WorkItem& it, float* scratch, bool amx) {
   const Tile t = carve(p, it.n_q, scratch);
   const int64_t D = p.head_dim, bs = p.block_size, Dv = up(D, 32);
+  amx = amx && D % 32 == 0;
+  if (amx) configure_tiles();
   load_queries(p, it, t);
   const auto* k_base = static_cast<const uint16_t*>(p.k);
   const auto* v_base = static_cast<const uint16_t*>(p.v);
@@ -302,13 +427,23 @@ void attend_context_bf16(const AttentionParams& p, const WorkItem& it, float* sc
   for (int64_t b = it.key_begin / bs; b * bs < it.key_end; ++b) {
     const int64_t start = b * bs, n = std::min(bs, it.key_end - start);
     const int64_t offset = it.block_table[b] * p.block_stride + it.kv_head_begin * p.head_stride;
+    const int64_t keys_on_tiles = amx ? n / 16 * 16 : 0, pairs = (n + 1) / 2;
+    for (int64_t k0 = 0; k0 < keys_on_tiles; k0 += 16) amx_scores(t, k_base + offset, p.token_stride, D, k0, mul);
     by_panels(t, [&](auto np, int64_t c0) {
-      scores_panels<decltype(np)::value>(t, k_base + offset, p.token_stride, D / 2, n, c0, mul);
+      scores_panels<decltype(np)::value>(t, k_base + offset, p.token_stride, D / 2, n, c0, mul, keys_on_tiles);
     });
     online_softmax(t, start, n, p.window);
     pair_keys(t, v_base + offset, p.token_stride, n, D, Dv);
-    by_panels(t, [&](auto np, int64_t c0) { pv_panels<decltype(np)::value>(t, (n + 1) / 2, D, Dv, c0); });
+    const int64_t pairs_on_tiles = amx ? pairs / 16 * 16 : 0;
+    if (amx) rescale_o(t, D);
+    for (int64_t kp0 = 0; kp0 < pairs_on_tiles; kp0 += 16) amx_pv(t, kp0, D, Dv);
+    if (pairs_on_tiles < pairs) {
+      by_panels(t, [&](auto np, int64_t c0) {
+        pv_panels<decltype(np)::value>(t, pairs_on_tiles, pairs, D, Dv, c0, !amx);
+      });
+    }
   }
+  if (amx) _tile_release();
   store_rows(p, it, t);
 }
 
@@ -325,7 +460,7 @@ namespace kiln {
 namespace avx512 {  // never called: cpu_features() reports no AVX-512 here
 bool context_bf16_fits(const AttentionParams&, const WorkItem&) { return false; }
 int64_t context_bf16_scratch(const AttentionParams&, int64_t) { return 0; }
-void attend_context_bf16(const AttentionParams&, const WorkItem&, float*) {}
+void attend_context_bf16(const AttentionParams&, const WorkItem&, float*, bool) {}
 }  // namespace avx512
 }  // namespace kiln
 #endif

@@ -347,7 +347,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   p.softcap = static_cast<float>(softcap);
 
   // Context tiles over a bf16 pool take the bf16 dot-product kernel where the CPU has one.
-  const bool bf16 = (cpu_features() & kAvx512Bf16) != 0;
+  const bool bf16 = (cpu_features() & kAvx512Bf16) != 0, amx = (cpu_features() & kAmxBf16) != 0;
   std::vector<char> on_bf16(items.size());
   int64_t scratch = 0;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -362,7 +362,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
     if (static_cast<int64_t>(buffer.size()) < scratch) buffer.resize(scratch);
     for (int64_t i = begin; i < end; ++i) {
       if (on_bf16[i]) {
-        avx512::attend_context_bf16(p, items[i], buffer.data());
+        avx512::attend_context_bf16(p, items[i], buffer.data(), amx);
       } else {
         k.attend(p, items[i], buffer.data());
       }

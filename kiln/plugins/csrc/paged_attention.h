@@ -73,11 +73,12 @@ KILN_DECLARE_PAGED_ATTENTION_KERNEL(AVX2)
 KILN_DECLARE_PAGED_ATTENTION_KERNEL(AVX512)
 
 // Context tiles over a bf16 pool on vdpbf16ps (attention_bf16.cpp): callable where cpu_features()
-// reports AVX512_BF16, for the items context_bf16_fits accepts.
+// reports AVX512_BF16, for the items context_bf16_fits accepts; amx: where it reports AMX-BF16 too,
+// the products on AMX tiles.
 namespace avx512 {
 bool context_bf16_fits(const AttentionParams& p, const WorkItem& item);
 int64_t context_bf16_scratch(const AttentionParams& p, int64_t n_q);
-void attend_context_bf16(const AttentionParams& p, const WorkItem& item, float* scratch);
+void attend_context_bf16(const AttentionParams& p, const WorkItem& item, float* scratch, bool amx);
 }  // namespace avx512
 
 }  // namespace kiln

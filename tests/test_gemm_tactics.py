@@ -145,3 +145,27 @@ def test_int8_activations_and_quantized_lm_head(hf_model, tmp_path):
     vocab, hidden = 384, 64  # tiny_models' llama: the bf16 table is vocab * hidden * 2 bytes, held once
     assert size(tmp_path / "fast") < size(tmp_path / "plain") - vocab * hidden // 2  # bf16 -> int8, scales aside
     assert size(tmp_path / "int4_head") < size(tmp_path / "fast")
+
+
+def test_slow_kernels_are_pruned_but_never_amx(monkeypatch):
+    """A kernel 4x behind at two buckets in a row is not timed at larger ones, except AMX's, whose call
+    is mostly decoding the panels into tiles: 7x behind at one token, 3x ahead at a prefill's 512."""
+    from types import SimpleNamespace
+
+    ids = tactics.kernel_ids()
+    vnni, amx, avx2 = ids["avx512_vnni"], ids["amx_bf16"], ids["avx2"]
+    cost = {vnni: lambda m: 14 + 5 * m, amx: lambda m: 100 + 0.8 * m, avx2: lambda m: 60 * m}
+    timed = []
+
+    def fake_time(layer, m, kernels, x_dtype, budget_s=0.05, spread=None):
+        timed.append((m, sorted(kernels)))
+        return {k: cost[k](m) for k in kernels}
+
+    monkeypatch.setattr(tactics, "_time_us", fake_time)
+    monkeypatch.setattr(tactics, "candidates", lambda *_: [vnni, amx, avx2])
+    monkeypatch.setattr(tactics, "gemm_key", lambda *_: "n3072_k576_uint8_g64")
+    layer = SimpleNamespace(weight=None, tactics=None)
+    table = tactics.select({"mlp": layer}, torch.bfloat16, 512, True, tactics.TimingCache(None), log=lambda *_: None)
+    winners = {row["m_max"]: row["kernel"] for row in table["n3072_k576_uint8_g64"]["buckets"]}
+    assert winners[1] == "avx512_vnni" and winners[512] == "amx_bf16"
+    assert all(avx2 not in kernels for m, kernels in timed if m >= 8) and all(amx in kernels for _, kernels in timed)

@@ -25,13 +25,16 @@ import torch
 
 from kiln.plugins import cpp
 
-PORTABLE, ATEN, PORTABLE_INT8 = 1, 5, 8
+PORTABLE, AMX_BF16, ATEN, PORTABLE_INT8 = 1, 4, 5, 8
 # Token counts above this are timed at it: every kernel's cost per token is flat past it (they
 # tile rows), and a prefill-sized GEMM of each candidate would make builds long.
 MAX_TIMED_TOKENS = 1024
 # A kernel more than this many times slower than the best at two buckets in a row is not timed at
-# larger ones (it only gets slower relative to the tiled kernels as the token count grows).
+# larger ones (it only gets slower relative to the tiled kernels as the token count grows). Never
+# AMX's: its call is mostly decoding the panels into tiles, the same for 1 token as for 16, so it
+# loses the first buckets of an int8 or int4 GEMM by 7x and wins the prefill-sized ones by 3x.
 PRUNE_RATIO = 4.0
+NEVER_PRUNED = (AMX_BF16,)
 
 
 def buckets(max_num_tokens: int) -> list[int]:
@@ -247,7 +250,7 @@ def select(layers: dict[str, object], x_dtype: torch.dtype, max_num_tokens: int,
                 times = {k: min(times[k], again[k]) for k in alive}
                 cache.put(f"{key}|m{m}", times)
                 best = min(times, key=times.get)
-            slow = {kern for kern in alive if times[kern] > PRUNE_RATIO * times[best]}
+            slow = {kern for kern in alive if times[kern] > PRUNE_RATIO * times[best] and kern not in NEVER_PRUNED}
             alive, behind = [kern for kern in alive if kern not in slow & behind], slow
             rows.append({"m_max": bound, "timed_at": m, "kernel": kernel_name(best),
                          "us": {kernel_name(k): round(t, 1) for k, t in times.items()}})

@@ -9,8 +9,7 @@ import torch.utils._pytree as pytree
 from kiln.config import ConfigError, EngineConfig, torch_dtype
 from kiln.engine import extraction
 from kiln.engine.format import (HIDDEN_STATES, LORA_POOLS, LORA_RANKS, LORA_SLOTS, SEQUENCE_LENS, STEP_INPUTS,
-                               engine_file,
-                               kv_cache_dtype, lora_pool_shapes, plugin_config, uses_cpp_plugins)
+                               engine_file, kv_cache_dtype, lora_pool_shapes, plugin_config, uses_cpp_plugins)
 
 
 class AOTIModel:

@@ -47,6 +47,8 @@
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #endif
 
+#include "amx_tiles.h"
+
 namespace kiln {
 namespace avx512 {
 namespace {
@@ -284,26 +286,6 @@ void pair_keys(const Tile& t, const uint16_t* vp, int64_t token_stride, int64_t 
 
 // ---------------------------------------------------------------------------------------------- AMX
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Every tile 16 rows x 64 bytes. Configured per work item: another library (oneDNN) may have
-// configured this thread's tiles otherwise.
-void configure_tiles() {
-  TileConfig c{};
-  c.palette_id = 1;
-  for (int i = 0; i < 8; ++i) {
-    c.rows[i] = 16;
-    c.colsb[i] = 64;
-  }
-  _tile_loadconfig(&c);
-}
-
 // S^T rows k0 .. k0 + 16 of the page, every panel: tmm0-1 A (K, 32 d each), tmm2 B, tmm3 C.
 void amx_scores(const Tile& t, const uint16_t* kp, int64_t token_stride, int64_t D, int64_t k0, float mul) {
   const uint16_t* key = kp + k0 * token_stride;
@@ -419,7 +401,7 @@ void attend_context_bf16(const AttentionParams& p, const WorkItem& it, float* sc
   const Tile t = carve(p, it.n_q, scratch);
   const int64_t D = p.head_dim, bs = p.block_size, Dv = up(D, 32);
   amx = amx && D % 32 == 0;
-  if (amx) configure_tiles();
+  if (amx) amx_tiles::configure();
   load_queries(p, it, t);
   const auto* k_base = static_cast<const uint16_t*>(p.k);
   const auto* v_base = static_cast<const uint16_t*>(p.v);

@@ -23,24 +23,6 @@ namespace kiln {
 namespace CPU_CAPABILITY {
 namespace {
 
-template <typename T>
-inline Vec ew_load(const T* src) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(src);
-  } else {
-    Vec x;
-    at::vec::load_to_float(src, x);
-    return x;
-  }
-}
-
-template <typename T>
-inline void ew_widen(const T* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) ew_load(src + i).store(dst + i);
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
 // Round to nearest even, as Tensor.to does.
 template <typename T>
 inline void ew_narrow(const float* src, T* dst, int64_t n) {

@@ -32,30 +32,14 @@
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #endif
 
+#include "amx_tiles.h"
 #include "gemm_avx512.h"
 
 namespace kiln {
 namespace amx {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // tmm0-3: C (16 x 16 float), tmm4-5: A (16 rows x 32 bf16), tmm6-7: B (16 pair rows x 16 columns).
-void configure() {
-  TileConfig c{};
-  c.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    c.rows[t] = 16;
-    c.colsb[t] = 64;
-  }
-  _tile_loadconfig(&c);
-}
 
 constexpr int64_t kTileK = 32, kTileBytes = 1024;
 
@@ -124,7 +108,7 @@ void gemm_bf16_panels(const GemmParams& p, int64_t begin, int64_t end, void* scr
   const int64_t Kb = round_up(p.K, kBf16PadK);
   auto* decoded = static_cast<uint16_t*>(scratch);
   float* c = reinterpret_cast<float*>(decoded + 2 * Kb * kPanel);
-  configure();
+  amx_tiles::configure();
   for (int64_t panel = begin; panel < end; panel += 2) {
     const int np = panel + 1 < end ? 2 : 1;
     const uint16_t* w0 = bf16_panel(p, panel, decoded);

@@ -22,24 +22,6 @@ namespace kiln {
 namespace CPU_CAPABILITY {
 namespace {
 
-template <typename T>
-inline Vec lora_load(const T* src) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(src);
-  } else {
-    Vec x;
-    at::vec::load_to_float(src, x);
-    return x;
-  }
-}
-
-template <typename T>
-inline void lora_widen(const T* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) lora_load(src + i).store(dst + i);
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
 // h[u * max_rank + r] = A[r] . x_u for u < NT, r < rank; A's rows `width` apart.
 template <typename T, int NT>
 void lora_shrink(const float* xf, int64_t in, const T* a, int64_t width, int64_t rank, float* h, int64_t max_rank) {
@@ -48,7 +30,7 @@ void lora_shrink(const float* xf, int64_t in, const T* a, int64_t width, int64_t
     for (int u = 0; u < NT; ++u) sum[u] = Vec(0.0f);
     int64_t j = 0;
     for (; j + W <= in; j += W) {
-      const Vec av = lora_load(a + j);
+      const Vec av = ew_load(a + j);
       for (int u = 0; u < NT; ++u) sum[u] = at::vec::fmadd(Vec::loadu(xf + u * in + j), av, sum[u]);
     }
     for (int u = 0; u < NT; ++u) {
@@ -68,7 +50,7 @@ void lora_expand(const float* h, int64_t max_rank, const T* b, int64_t width, in
     Vec acc[NT];
     for (int u = 0; u < NT; ++u) acc[u] = Vec::loadu(y + u * ld + o);
     for (int64_t r = 0; r < rank; ++r) {
-      const Vec bv = lora_load(b + r * width + o);
+      const Vec bv = ew_load(b + r * width + o);
       for (int u = 0; u < NT; ++u) acc[u] = at::vec::fmadd(Vec(h[u * max_rank + r]), bv, acc[u]);
     }
     for (int u = 0; u < NT; ++u) acc[u].store(y + u * ld + o);
@@ -86,8 +68,8 @@ void lora_tile(const LoraParams& p, const int64_t* tokens, int64_t s, float* xf,
   const T* x = static_cast<const T*>(p.x);
   const T* base = static_cast<const T*>(p.base);
   for (int u = 0; u < NT; ++u) {
-    lora_widen(x + tokens[u] * p.x_stride, xf + u * p.in, p.in);
-    lora_widen(base + tokens[u] * p.N, acc + u * p.N, p.N);
+    ew_widen(x + tokens[u] * p.x_stride, xf + u * p.in, p.in);
+    ew_widen(base + tokens[u] * p.N, acc + u * p.N, p.N);
   }
   const int64_t rank = p.rank[s];
   for (int64_t m = 0; m < p.num_pools; ++m) {

@@ -40,7 +40,7 @@ SOURCES = ("paged_attention.cpp", "gemm.cpp", "thread_pool.cpp", "cpu_features.c
 HEADERS = ("gemm_op.h", "paged_attention.h", "paged_attention_kernel.h", "paged_attention_x86.h", "gemm.h",
            "gemm_kernel.h",
            "gemm_avx512.h", "sampler.h", "sampler_kernel.h", "vec_common.h", "thread_pool.h",
-           "elementwise.h", "elementwise_kernel.h", "lora.h", "lora_kernel.h", "amx_tiles.h")
+           "elementwise.h", "elementwise_kernel.h", "lora.h", "lora_kernel.h", "amx_tiles.h", "op_dtype.h")
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with
 # OpenMP; libgomp resolves to the copy libtorch already loaded (same soname), so one thread pool.
 CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-Wall", "-Wno-unused-parameter"]

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "elementwise.h"
+#include "op_dtype.h"
 #include "paged_attention_x86.h"
 #include "thread_pool.h"
 
@@ -53,15 +54,6 @@ const Kernels& kernels() {
 // instead of waking the pool for a microsecond of work.
 int64_t grain(int64_t elements_per_row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, elements_per_row)); }
 
-DType dtype_of(const at::Tensor& t, const char* op, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::Float;
-    case at::kBFloat16: return DType::BFloat16;
-    case at::kHalf: return DType::Half;
-    default: TORCH_CHECK(false, op, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
-  }
-}
-
 void check_cpu(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), op, name, " must be a CPU tensor, got one on ", t.device());
   TORCH_CHECK(t.dim() >= 1 && (t.size(-1) <= 1 || t.stride(-1) == 1), op, name,
@@ -89,14 +81,14 @@ at::Tensor rows_view(const at::Tensor& x, NormParams& p) {
 NormParams norm_params(const at::Tensor& x, const at::Tensor& weight, double eps, const char* op) {
   check_cpu(x, op, "x");
   NormParams p{};
-  p.dtype = dtype_of(x, op, "x");
+  p.dtype = float_dtype_of(x, op, "x");
   p.dim = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == p.dim && weight.is_contiguous() && weight.device().is_cpu(), op,
               "weight must be a contiguous 1-D CPU tensor of x's last dim (", p.dim, "), got shape ", weight.sizes());
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat, op,
               "weight must be x's dtype (", x.scalar_type(), ") or float32, got ", weight.scalar_type());
   p.weight = weight.const_data_ptr();
-  p.weight_dtype = dtype_of(weight, op, "weight");
+  p.weight_dtype = float_dtype_of(weight, op, "weight");
   p.eps = static_cast<float>(eps);
   return p;
 }
@@ -153,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding_cpu(const at::Tensor& q, con
               " and ", sin.sizes());
   const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
   at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
-  RopeParams p{dtype_of(q, op, "q"), q.const_data_ptr(), k.const_data_ptr(), c.const_data_ptr<float>(),
+  RopeParams p{float_dtype_of(q, op, "q"), q.const_data_ptr(), k.const_data_ptr(), c.const_data_ptr<float>(),
                s.const_data_ptr<float>(), q_out.mutable_data_ptr(), k_out.mutable_data_ptr(),
                q.size(1), k.size(1), D, cos.size(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1)};
   const auto kernel = kernels().rope;
@@ -171,7 +163,7 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
   shape.back() = I;
   at::Tensor out = at::empty(shape, x.options());
   const int64_t T = rows.size(0);
-  SiluMulParams p{dtype_of(x, op, "x"), rows.const_data_ptr(), out.mutable_data_ptr(), I,
+  SiluMulParams p{float_dtype_of(x, op, "x"), rows.const_data_ptr(), out.mutable_data_ptr(), I,
                   T > 1 ? rows.stride(0) : 2 * I};
   const auto kernel = kernels().silu_and_mul;
   kiln::pool::parallel_for(0, T, grain(I), [&](int64_t b, int64_t e) { kernel(p, b, e); });

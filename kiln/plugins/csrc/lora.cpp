@@ -23,6 +23,7 @@
 
 #include "gemm.h"
 #include "lora.h"
+#include "op_dtype.h"
 #include "paged_attention_x86.h"
 #include "thread_pool.h"
 
@@ -40,15 +41,6 @@ Kernel select_kernel() {
   if (capability == "AVX2") return &AVX2::lora_rows;
 #endif
   return &DEFAULT::lora_rows;
-}
-
-DType dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::Float;
-    case at::kBFloat16: return DType::BFloat16;
-    case at::kHalf: return DType::Half;
-    default: TORCH_CHECK(false, kOp, "base must be float32, bfloat16 or float16, got ", t.scalar_type());
-  }
 }
 
 at::Tensor lora_cpu(const at::Tensor& base, const at::Tensor& x, const at::Tensor& lora_slots,
@@ -98,14 +90,15 @@ at::Tensor lora_cpu(const at::Tensor& base, const at::Tensor& x, const at::Tenso
   for (int64_t i = 1; i <= T; ++i)
     if (i == T || s[order[i]] != s[order[i - 1]] || i - tiles.back() == kLoraTile) tiles.push_back(i);
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
-  const LoraParams p{dtype_of(base), x.const_data_ptr(), b.const_data_ptr(), out.mutable_data_ptr(), order.data(),
-                     tiles.data(), s, r, in, T > 1 ? x.stride(0) : in, N, max_rank,
-                     static_cast<int64_t>(pools.size()), data.data(), outs.data(), offsets.data()};
+  const LoraParams p{float_dtype_of(base, kOp, "base"), x.const_data_ptr(), b.const_data_ptr(),
+                     out.mutable_data_ptr(), order.data(), tiles.data(), s, r, in, T > 1 ? x.stride(0) : in, N,
+                     max_rank, static_cast<int64_t>(pools.size()), data.data(), outs.data(), offsets.data()};
   // A tile's work: up to kLoraTile tokens' rank dot products of `in` and rank rows of out_p, per pool.
   int64_t per_tile = 0;
   for (int64_t o : outs) per_tile += kLoraTile * max_rank * (in + o);
   static const Kernel generic = select_kernel();
-  const Kernel kernel = (cpu_features() & kAvx512Bf16) && avx512::lora_bf16_fits(p) ? &avx512::lora_rows_bf16 : generic;
+  const Kernel kernel =
+      (cpu_features() & kAvx512Bf16) && avx512::lora_bf16_fits(p) ? &avx512::lora_rows_bf16 : generic;
   kiln::pool::parallel_for(0, num_tiles, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, per_tile)),
                            [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
   return out;

@@ -37,6 +37,7 @@
 
 #include "elementwise.h"
 #include "gemm_op.h"
+#include "op_dtype.h"
 #include "thread_pool.h"
 
 namespace kiln {
@@ -46,15 +47,6 @@ constexpr const char* kOp = "kiln_cpp::moe: ";
 
 std::optional<at::Tensor> expert_of(const std::optional<at::Tensor>& t, int64_t e) {
   return t.has_value() ? std::optional<at::Tensor>(t->select(0, e)) : std::nullopt;
-}
-
-DType dtype_of(const at::Tensor& x) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return DType::Float;
-    case at::kBFloat16: return DType::BFloat16;
-    case at::kHalf: return DType::Half;
-    default: TORCH_CHECK(false, kOp, "x must be float32, bfloat16 or float16, got ", x.scalar_type());
-  }
 }
 
 template <typename T>
@@ -86,7 +78,7 @@ at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Te
               topk_weights.sizes());
   TORCH_CHECK(proj.size(0) == E && fc.dim() == 4 && proj.dim() == 4, kOp,
               "fc and proj must stack the same experts' packed weights, got ", fc.sizes(), " and ", proj.sizes());
-  const DType dtype = dtype_of(x);
+  const DType dtype = float_dtype_of(x, kOp, "x");
   const int64_t k = topk_ids.size(1), elem = x.element_size();
   const at::Tensor ids = topk_ids.to(at::kLong).contiguous(), weights = topk_weights.to(at::kFloat).contiguous();
   const at::Tensor xc = x.contiguous();

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "op_dtype.h"
 #include "paged_attention.h"
 #include "paged_attention_x86.h"
 #include "thread_pool.h"
@@ -66,15 +67,6 @@ const Kernel& kernel() {
   return k;
 }
 
-DType dtype_of(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::Float;
-    case at::kBFloat16: return DType::BFloat16;
-    case at::kHalf: return DType::Half;
-    default: TORCH_CHECK(false, kOp, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
-  }
-}
-
 bool is_8bit(DType t) { return t == DType::Int8 || t == DType::Float8E4M3; }
 
 DType kv_dtype_of(const at::Tensor& kv_cache) {
@@ -83,7 +75,7 @@ DType kv_dtype_of(const at::Tensor& kv_cache) {
     case at::kFloat8_e4m3fn: return DType::Float8E4M3;
     case at::kFloat:
     case at::kBFloat16:
-    case at::kHalf: return dtype_of(kv_cache, "kv_cache");
+    case at::kHalf: return float_dtype_of(kv_cache, kOp, "kv_cache");
     default:
       TORCH_CHECK(false, kOp, "kv_cache must be float32, bfloat16, float16, int8 or float8_e4m3fn, got ",
                   kv_cache.scalar_type());
@@ -181,7 +173,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   TORCH_CHECK(KH >= 1 && H % KH == 0, kOp, "num_heads (", H, ") must be a multiple of kv_heads (", KH, ")");
   TORCH_CHECK(layer >= 0 && layer < L, kOp, "layer ", layer, " is outside the cache's ", L, " layers");
   TORCH_CHECK(kv_cache.stride(5) == 1, kOp, "kv_cache's head_dim must be contiguous (it is read in place)");
-  const DType q_dtype = dtype_of(q, "q");
+  const DType q_dtype = float_dtype_of(q, kOp, "q");
   const DType kv_dtype = kv_dtype_of(kv_cache);
   TORCH_CHECK(window >= 0, kOp, "window must be >= 0 (0: no sliding window), got ", window);
   TORCH_CHECK(softcap >= 0, kOp, "softcap must be >= 0 (0: scores not capped), got ", softcap);

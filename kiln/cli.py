@@ -43,10 +43,8 @@ def lora_convert(lora_dir, model_dir, output_dir, storage_type):
     import tempfile
     from pathlib import Path
 
-    import numpy as np
-
     from kiln.config import ConfigError, PretrainedConfig
-    from kiln.convert.lora import TRTLLM_CONFIG, TRTLLM_WEIGHTS, check_adapter, read_adapter, to_trtllm
+    from kiln.convert.lora import check_adapter, read_adapter, save_trtllm, to_trtllm
     from kiln.utils import replace_dir
 
     try:
@@ -60,8 +58,7 @@ def lora_convert(lora_dir, model_dir, output_dir, storage_type):
     out = Path(output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    np.save(tmp / TRTLLM_WEIGHTS, weights)
-    np.save(tmp / TRTLLM_CONFIG, rows)
+    save_trtllm(tmp, weights, rows)
     replace_dir(tmp, out)
     click.echo(f"{len(rows[0])} LoRA rows (rank {adapter.rank}, {', '.join(adapter.modules)}) -> {out}")
 

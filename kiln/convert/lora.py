@@ -106,7 +106,7 @@ def from_trtllm(source, weights, rows, config: PretrainedConfig) -> Adapter:
         raise ConfigError(f"{source}: LoRA config must be integers and weights floats, got {rows.dtype} and "
                           f"{weights.dtype}")
     shapes = module_shapes(dataclasses.replace(config, mapping=Mapping()))
-    pairs, ranks = {}, set()
+    pairs = {}
     for i, (row, (module_id, layer, rank, *dora)) in enumerate(zip(weights, rows.tolist())):
         module = _MODULE_NAMES.get(module_id)
         where = f"{source}: LoRA config row {i} ({module or f'module {module_id}'}, layer {layer}, rank {rank})"
@@ -125,10 +125,10 @@ def from_trtllm(source, weights, rows, config: PretrainedConfig) -> Adapter:
             raise ConfigError(f"{where}: a second row for the same module and layer")
         flat = torch.from_numpy(np.ascontiguousarray(row[:rank * (size_in + size_out)])).float()
         pairs[layer, module] = (flat[:rank * size_in].view(rank, size_in), flat[rank * size_in:].view(size_out, rank))
-        ranks.add(rank)
     if not pairs:
         raise ConfigError(f"{source}: the adapter has no LoRA rows")
-    return Adapter(Path(str(source)), max(ranks), 1.0, sorted({m for _, m in pairs}), pairs)
+    return Adapter(Path(str(source)), max(a.shape[0] for a, _ in pairs.values()), 1.0, sorted({m for _, m in pairs}),
+                   pairs)
 
 
 def to_trtllm(adapter: Adapter, dtype: str = "float16"):
@@ -136,13 +136,20 @@ def to_trtllm(adapter: Adapter, dtype: str = "float16"):
     import numpy as np
 
     items = sorted(adapter.weights.items(), key=lambda kv: (kv[0][0], MODULE_IDS[kv[0][1]]))
-    flat = [torch.cat([a.flatten(), b.flatten()]) for _, (a, b) in items]
-    width = max(len(f) for f in flat)
-    weights = torch.zeros(1, len(flat), width, dtype=torch_dtype(dtype))
+    flat = [torch.cat([a.flatten(), b.flatten()]).numpy() for _, (a, b) in items]
+    weights = np.zeros((1, len(flat), max(len(f) for f in flat)), dtype=dtype)
     for i, f in enumerate(flat):
         weights[0, i, :len(f)] = f
     rows = np.array([[[MODULE_IDS[m], layer, a.shape[0]] for (layer, m), (a, _) in items]], dtype=np.int32)
-    return weights.float().numpy().astype(np.float16 if dtype == "float16" else np.float32), rows
+    return weights, rows
+
+
+def save_trtllm(path: Path, weights, rows) -> None:
+    """Weights and config in TensorRT-LLM's file names, which read_adapter reads back."""
+    import numpy as np
+
+    np.save(path / TRTLLM_WEIGHTS, weights)
+    np.save(path / TRTLLM_CONFIG, rows)
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -14,7 +14,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kiln.config import EngineConfig
@@ -137,7 +136,7 @@ class TritonPythonModel(EngineHost):
     def _lora(self, row):
         """The row's adapter: cached under its lora_task_id by the first request that sent its weights
         and config (TensorRT-LLM's format; weights sent again for a cached id are not read again)."""
-        from kiln.convert.lora import TRTLLM_CONFIG, TRTLLM_WEIGHTS, check_adapter, from_trtllm
+        from kiln.convert.lora import check_adapter, from_trtllm, save_trtllm
         from kiln.runtime.lora_request import LoRARequest
 
         task = row.lora_task_id
@@ -159,8 +158,7 @@ class TritonPythonModel(EngineHost):
                 raise RequestError(str(e)) from None
             path = Path(self.lora_root.name) / str(task)
             path.mkdir(exist_ok=True)
-            np.save(path / TRTLLM_WEIGHTS, row.lora_weights)
-            np.save(path / TRTLLM_CONFIG, row.lora_config)
+            save_trtllm(path, row.lora_weights, row.lora_config)
             self.lora_tasks[task] = LoRARequest(f"lora_task_{task}", task, str(path))
         return self.lora_tasks[task]
 

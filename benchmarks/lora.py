@@ -50,19 +50,6 @@ def save_adapters(base: Path, root: Path, count: int, rank: int) -> list[Path]:
     return paths
 
 
-def decode(llm, batch: int, input_len: int, output_len: int, vocab: int, loras=None) -> float:
-    from kiln import SamplingParams
-
-    inputs = throughput.fresh(batch, input_len, vocab)
-    outs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True),
-                        lora_request=loras)
-    throughput.cache_share["prompt_tokens"] += sum(len(o.prompt_token_ids) for o in outs)
-    throughput.cache_share["cached_tokens"] += sum(o.num_cached_tokens or 0 for o in outs)
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-    start = min(o.metrics.first_token_time for o in outs)
-    return sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (max(o.metrics.finished_time for o in outs) - start)
-
-
 def first_token_seconds(llm, lora, vocab: int) -> float:
     from kiln import SamplingParams
 
@@ -127,13 +114,13 @@ def main():
     warm = [first_token_seconds(multi, r, vocab) for r in requests]
     plain = [first_token_seconds(multi, None, vocab) for _ in requests]
     for llm in (base, multi):  # warm-up
-        decode(llm, args.batch, args.input_len, 8, vocab)
-    decode(multi, args.batch, args.input_len, 8, vocab, loras)
+        throughput.decode_kiln(llm, args.batch, args.input_len, 8, vocab)
+    throughput.decode_kiln(multi, args.batch, args.input_len, 8, vocab, loras)
     throughput.cache_share.update(prompt_tokens=0, cached_tokens=0)
     cells = {"base engine": [], "LoRA engine, base requests": [], f"LoRA engine, {args.adapters} adapters": []}
     for _ in range(args.repeats):
         for (name, runs), (llm, lora) in zip(cells.items(), ((base, None), (multi, None), (multi, loras))):
-            runs.append(decode(llm, args.batch, args.input_len, args.output_len, vocab, lora))
+            runs.append(throughput.decode_kiln(llm, args.batch, args.input_len, args.output_len, vocab, lora))
     base.llm_engine.shutdown()
     multi.llm_engine.shutdown()
 

@@ -113,8 +113,8 @@ def fresh(batch: int, length: int, vocab: int) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts(batch, length, vocab, seed=next(_seeds))]
 
 
-def timed(llm, inputs, params):
-    outs = llm.generate(inputs, params)
+def timed(llm, inputs, params, lora_request=None):
+    outs = llm.generate(inputs, params, lora_request=lora_request)
     cache_share["prompt_tokens"] += sum(len(o.prompt_token_ids) for o in outs)
     cache_share["cached_tokens"] += sum(o.num_cached_tokens or 0 for o in outs)
     return outs
@@ -135,13 +135,14 @@ def time_kiln(llm, batch, input_len, output_len, vocab):
     return batch * (output_len - 1) / max(total - prefill, 1e-9)
 
 
-def decode_kiln(llm, batch, input_len, output_len, vocab):
+def decode_kiln(llm, batch, input_len, output_len, vocab, lora_request=None):
     """Decode tokens/s of `batch` requests prefilled together: their tokens after the first over the
     time from the first first token to the last finish (no prefill time subtracted)."""
     from kiln import SamplingParams
 
     outs = timed(llm, fresh(batch, input_len, vocab), SamplingParams(temperature=0, max_tokens=output_len,
-                                                                     ignore_eos=True))
+                                                                     ignore_eos=True), lora_request)
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
     start = min(o.metrics.first_token_time for o in outs)
     return sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (max(o.metrics.finished_time for o in outs) - start)
 

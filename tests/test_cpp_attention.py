@@ -68,14 +68,14 @@ def test_matches_reference(op, step, block_size, heads, head_dim):
     _check(op(q16, cache16, *args[2:]), expected16, torch.bfloat16, "bfloat16")
 
 
-@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 64), (80, 16), (46, 7)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 64), (80, 16), (46, 7), (64, 256)])
 def test_bf16_context_kernel(op, tmp_path, head_dim, block_size):
     """Context tiles of a bf16 q over a bf16 pool run on bf16 dot products where the CPU has
     AVX512_BF16 (csrc/attention_bf16.cpp; on AMX tiles too where it has AMX and head_dim is a multiple
     of 32), on vdpbf16ps alone with KILN_CPU_ISA=avx512_bf16, and on the float kernel with
     KILN_CPU_ISA=avx512: all within bf16 tolerance of the reference. The float kernel's results differ
     (the bf16 ones round P to bf16), which shows which kernel ran. Prefills long and short, one past
-    cached tokens, GQA 3, a head_dim off 32 and a page of an odd size."""
+    cached tokens, GQA 3, a head_dim off 32, a page of an odd size and one longer than a softmax chunk."""
     from safetensors.torch import load_file, save_file
 
     cpp.load()

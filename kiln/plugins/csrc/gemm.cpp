@@ -405,7 +405,11 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
     }
   }
   const int64_t bytes = scratch_bytes(K);
-  kiln::pool::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) { run(p, begin, end, aligned_scratch(bytes)); });
+  // Claimed in pairs of panels: the kernels' blocks are two (or four) panels wide, and an odd share
+  // would leave a half-width block at its end.
+  kiln::pool::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    run(p, 2 * begin, std::min(2 * end, panels), aligned_scratch(bytes));
+  });
   return out;
 }
 

@@ -63,7 +63,7 @@ void tiles(const GemmParams& p, const uint16_t* w0, const uint16_t* w1, int64_t 
         for (int l = 0; l < 16; ++l) _mm_prefetch(next1 + 64 * l, _MM_HINT_T0);
       }
     }
-    _tile_loadd(4, a + kb * kTileK, lda);
+    _tile_stream_loadd(4, a + kb * kTileK, lda);
     _tile_loadd(6, w0 + kb * kTileK * kPanel, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NP == 2) {
@@ -71,7 +71,7 @@ void tiles(const GemmParams& p, const uint16_t* w0, const uint16_t* w1, int64_t 
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (RB == 2) {
-      _tile_loadd(5, a + 16 * p.ldxb + kb * kTileK, lda);
+      _tile_stream_loadd(5, a + 16 * p.ldxb + kb * kTileK, lda);
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (NP == 2) _tile_dpbf16ps(3, 5, 7);
     }

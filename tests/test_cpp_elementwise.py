@@ -83,6 +83,17 @@ def test_silu_and_mul_matches_reference(ops, dtype, shape):
     _close(ops.silu_and_mul(wide), reference.silu_and_mul(wide), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_far_tails(ops, dtype):
+    """Gates where e^-g overflows float: the kernels cap it at e^80 (so that their reciprocal estimate
+    is not of inf), which leaves g * e^-80, below 1e-25, where silu is ~0; not NaN."""
+    gate = torch.tensor([-3e4, -1e3, -120.0, -89.0, -80.0, -20.0, 0.0, 20.0, 89.0, 1e3, 3e4] * 3)
+    x = torch.cat([gate, torch.linspace(-2, 2, len(gate))]).to(dtype)[None]
+    got, want = ops.silu_and_mul(x), reference.silu_and_mul(x)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * torch.finfo(dtype).eps, atol=1e-25)
+
+
 @pytest.fixture
 def pool_settings():
     before = torch.get_num_threads()

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec_common.h"
@@ -41,9 +42,28 @@ inline void ew_widen_any(DType dtype, const void* src, float* dst, int64_t n) {
   }
 }
 
+// Elements i .. i + 2W of a row as floats: x, or x + residual rounded to T (and written to sum),
+// widened again, since the norm is of the rounded sum.
+template <typename T>
+inline std::pair<Vec, Vec> norm_input(const T* x, const T* res, T* sum, int64_t i) {
+  if (res == nullptr) return {ew_load(x + i), ew_load(x + i + W)};
+  const Vec a = ew_load(x + i) + ew_load(res + i), b = ew_load(x + i + W) + ew_load(res + i + W);
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(sum + i);
+    b.store(sum + i + W);
+    return {a, b};
+  } else {
+    const auto rounded = at::vec::convert_from_float<T>(a, b);
+    rounded.store(sum + i);
+    const auto [ra, rb] = at::vec::convert_to_float<T>(rounded);
+    return {ra, rb};
+  }
+}
+
+// Two passes per row: the (rounded) input and its squares, then the scaled output, 2W at a time.
 template <typename T>
 void rms_norm_impl(const NormParams& p, int64_t begin, int64_t end) {
-  const int64_t n = p.dim;
+  const int64_t n = p.dim, whole = n / (2 * W) * (2 * W);
   std::vector<float> buffer(2 * n);
   float* s = buffer.data();
   float* w = s + n;
@@ -51,30 +71,39 @@ void rms_norm_impl(const NormParams& p, int64_t begin, int64_t end) {
   const T* x = static_cast<const T*>(p.x);
   for (int64_t r = begin; r < end; ++r) {
     const T* xr = x + (r / p.inner) * p.outer_stride + (r % p.inner) * p.inner_stride;
-    if (p.residual != nullptr) {
-      const T* res = static_cast<const T*>(p.residual) + r * p.residual_stride;
-      T* sum = static_cast<T*>(p.residual_out) + r * n;
-      int64_t i = 0;
-      for (; i + W <= n; i += W) (ew_load(xr + i) + ew_load(res + i)).store(s + i);
-      for (; i < n; ++i) s[i] = static_cast<float>(xr[i]) + static_cast<float>(res[i]);
-      ew_narrow(s, sum, n);
-      if constexpr (!std::is_same_v<T, float>) ew_widen(sum, s, n);  // the norm of the rounded sum
-    } else {
-      ew_widen(xr, s, n);
-    }
+    const T* res = p.residual == nullptr ? nullptr : static_cast<const T*>(p.residual) + r * p.residual_stride;
+    T* sum = res == nullptr ? nullptr : static_cast<T*>(p.residual_out) + r * n;
     Vec acc(0.f);
-    int64_t i = 0;
-    for (; i + W <= n; i += W) {
-      const Vec v = Vec::loadu(s + i);
-      acc = at::vec::fmadd(v, v, acc);
+    for (int64_t i = 0; i < whole; i += 2 * W) {
+      const auto [a, b] = norm_input(xr, res, sum, i);
+      a.store(s + i);
+      b.store(s + i + W);
+      acc = at::vec::fmadd(b, b, at::vec::fmadd(a, a, acc));
     }
     float squares = reduce_add(acc);
-    for (; i < n; ++i) squares += s[i] * s[i];
+    for (int64_t i = whole; i < n; ++i) {
+      float v = static_cast<float>(xr[i]);
+      if (res != nullptr) {
+        sum[i] = static_cast<T>(v + static_cast<float>(res[i]));
+        v = static_cast<float>(sum[i]);
+      }
+      s[i] = v;
+      squares += v * v;
+    }
     const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + p.eps);
     const Vec vinv(inv);
-    for (i = 0; i + W <= n; i += W) (Vec::loadu(s + i) * vinv * Vec::loadu(w + i)).store(s + i);
-    for (; i < n; ++i) s[i] = s[i] * inv * w[i];
-    ew_narrow(s, static_cast<T*>(p.out) + r * n, n);
+    T* out = static_cast<T*>(p.out) + r * n;
+    for (int64_t i = 0; i < whole; i += 2 * W) {
+      const Vec a = Vec::loadu(s + i) * vinv * Vec::loadu(w + i);
+      const Vec b = Vec::loadu(s + i + W) * vinv * Vec::loadu(w + i + W);
+      if constexpr (std::is_same_v<T, float>) {
+        a.store(out + i);
+        b.store(out + i + W);
+      } else {
+        at::vec::convert_from_float<T>(a, b).store(out + i);
+      }
+    }
+    for (int64_t i = whole; i < n; ++i) out[i] = static_cast<T>(s[i] * inv * w[i]);
   }
 }
 
@@ -115,19 +144,33 @@ void rope_impl(const RopeParams& p, int64_t begin, int64_t end) {
   }
 }
 
+// g / (1 + e^-g). Where the ISA has a reciprocal estimate, it and one Newton step replace the
+// division (relative error ~2^-23), which otherwise bounds the loop; e^-g is capped at e^80 so that
+// the estimate of a huge denominator is a tiny number, not 0 (Newton's d * r would be inf * 0).
+inline Vec silu(Vec g) {
+  const Vec d = Vec(1.f) + at::vec::minimum(g.neg(), Vec(80.f)).exp_u20();
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 r = _mm512_rcp14_ps(d);
+  return g * Vec(_mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 r = _mm256_rcp_ps(d);
+  return g * Vec(_mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f))));
+#else
+  return g / d;
+#endif
+}
+
 template <typename T>
 void silu_and_mul_impl(const SiluMulParams& p, int64_t begin, int64_t end) {
   const int64_t n = p.inter;
   std::vector<float> buffer(n);
   float* y = buffer.data();
-  const Vec one(1.f);
   for (int64_t r = begin; r < end; ++r) {
     const T* gate = static_cast<const T*>(p.x) + r * p.x_stride;
     const T* up = gate + n;
     int64_t i = 0;
     for (; i + W <= n; i += W) {
-      const Vec g = ew_load(gate + i);
-      (g / (one + g.neg().exp_u20()) * ew_load(up + i)).store(y + i);
+      (silu(ew_load(gate + i)) * ew_load(up + i)).store(y + i);
     }
     for (; i < n; ++i) {
       const float g = static_cast<float>(gate[i]);

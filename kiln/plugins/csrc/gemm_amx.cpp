@@ -5,8 +5,10 @@
 //
 // Per thread, panels two at a time (decoded once when not bf16) and rows 32 at a time: 4 C tiles
 // (2 row blocks x 2 panels) accumulate over K from 2 A tiles and 2 B tiles per 32 k, so each tile
-// loaded feeds two multiplies. The C tiles then go through a float buffer to the epilogue (scale,
-// bias, output dtype). Called only where cpu_features() reports AMX, whose tile state Linux lends
+// loaded feeds two multiplies. A is loaded with the streaming hint (TILELOADDT1): each A block is
+// used once per panel pair, and a plain load would evict from L1 the B pair that the next row block
+// reuses (at K = 576 they are 36 KiB each). The C tiles then go through a float buffer to the
+// epilogue (scale, bias, output dtype). Called only where cpu_features() reports AMX, whose tile state Linux lends
 // on request (cpu_features.cpp); the tiles are configured per call, since another library (oneDNN)
 // may have configured them differently on this thread, and released at the end.
 

@@ -117,6 +117,43 @@ def test_int8_activation_kernels_match_reference(kernel, fmt, n, k):
     _check(fmt, kernel, n, k, ROWS if kernel != "portable_int8" else [1, 5, 9])
 
 
+@pytest.mark.parametrize("kernel", ["avx2", "avx512_bf16", "amx_bf16", "aten", "avx512_vnni"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4", "fp8"])
+# 64 x 64: two gate and two up panels; 96 x 64: an odd count of each; 80 x 64: gate and up meet
+# inside a panel (not fused: the kernels write y, a second pass activates it)
+@pytest.mark.parametrize("n,k", [(64, 64), (96, 64), (80, 64)])
+def test_gemm_swiglu_matches_reference(kernel, fmt, n, k):
+    """gemm_swiglu = silu(y[:, :n/2]) * y[:, n/2:] of the GEMM y, whether the kernel fuses it
+    (AMX, AVX-512-BF16: on the float accumulators, rounded once) or not."""
+    if kernel in INT8_ACT and fmt not in ("int8", "int4"):
+        pytest.skip("the int8-activation kernels take int8 and int4 weights")
+    _require(kernel)
+    packed, scale, group_size, dense = _weights(fmt, n, k)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    h = n // 2
+    for m in (1, 5, 16, 33):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        xe = int8_activations(x, k) if kernel in INT8_ACT else x.float()
+        y = xe @ dense.T + b
+        g, u = y[:, :h], y[:, h:]
+        want = torch.nn.functional.silu(g) * u
+        got = gemm.gemm_swiglu(x, packed, scale, b, n, group_size, (1 << 40, kernel_id(kernel)))
+        assert got.shape == (m, h) and got.dtype == torch.bfloat16
+        # y's error as in _check (bf16 weights rounded, y rounded to bf16 where not fused), carried
+        # through silu(g) * u (|silu'| < 1.1), plus the output's own bf16 rounding
+        roundings = (kernel in ("avx512_bf16", "amx_bf16") and fmt in ("float16", "int4")) + 2
+        e = (xe.abs() @ dense.abs().T) * (roundings * 2 ** -9 + 1e-5) + 1e-5 + y.abs() * 2 ** -9
+        bound = 1.1 * u.abs() * e[:, :h] + torch.nn.functional.silu(g).abs() * e[:, h:] + want.abs() * 2 ** -8 + 1e-4
+        err = (got.float() - want).abs()
+        assert (err <= bound).all(), f"{kernel} {fmt} n={n} M={m}: max error {err.max():.3g}"
+
+
+def test_gemm_swiglu_bad_n():
+    packed, _, _, _ = _weights("bfloat16", 48, 64)
+    with pytest.raises(RuntimeError, match="gemm_swiglu needs n = 2 x the gated width"):
+        gemm.gemm_swiglu(torch.randn(2, 64).bfloat16(), packed, None, None, 47)
+
+
 def test_output_dtypes_and_leading_dims():
     for name in ("avx2", "avx512_bf16", "amx_bf16"):
         if KERNELS[name] in torch.ops.kiln_cpp.cpu_features().split(","):
@@ -322,9 +359,12 @@ def test_bf16_aoti_engine_uses_plugin_by_default(engine):
     aoti = engine("llama", "aoti", dtype="bfloat16")
     config = json.loads((aoti / "config.json").read_text())["build_config"]
     assert config["plugin_config"]["gemm_plugin"] == "cpp" and config["max_autotune"] is False
-    # and with it (the graph's own loops on one thread) the norms, rope and SwiGLU on kiln_cpp's pool
+    # and with it (the graph's own loops on one thread) the norms, rope and SwiGLU on kiln_cpp's pool,
+    # SwiGLU inside the gate_up GEMM's call
     assert {config["plugin_config"][k] for k in ("rmsnorm_plugin", "rope_plugin", "swiglu_plugin")} == {"cpp"}
-    assert {"gemm", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"} <= kiln_ops(aoti, "kiln_cpp")
+    ops = kiln_ops(aoti, "kiln_cpp")
+    assert {"gemm", "gemm_swiglu", "rms_norm", "fused_add_rms_norm", "rotary_embedding"} <= ops
+    assert "silu_and_mul" not in ops
     got, _ = _logits_and_tokens(aoti)
     want, want_lp = _logits_and_tokens(engine("llama", "eager", dtype="bfloat16"))
     assert_same_greedy(got, want, want_lp)

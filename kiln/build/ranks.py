@@ -67,6 +67,9 @@ def time_tactics(model, pretrained: PretrainedConfig, build: BuildConfig):
     layer's tactics before export bakes them in: the table, and the timing cache it went through."""
     cache = tactics.TimingCache(build.timing_cache)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    if build.lora_config is not None:  # LoRA adds to gate_up's output before the activation: not fused
+        for layer in layers.values():
+            layer.swiglu = False
     with torch.no_grad():
         table = tactics.select(layers, torch_dtype(pretrained.dtype), build.max_num_tokens, build.int8_activations,
                                cache)

@@ -150,13 +150,24 @@ class PackedLinear(nn.Module):
             self.register_buffer(key, value)
         self.n, self.k, self.group_size, self.act_dtype, self.out_float = n, k, group_size, act_dtype, out_float
         self.tactics: tuple[int, ...] = ()
+        # A gated MLP's [gate; up] that the model runs through swiglu() (its tactics are timed so)
+        self.swiglu = False
 
-    def forward(self, x):
+    def _input(self, x):
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
         if self.act_dtype is not None:
             x = quant.quantize_to(x, self.act_scale, self.act_dtype).to(x.dtype)
-        return gemm.gemm(x, self.weight, self.scale, self.bias, self.n, self.group_size, self.out_float, self.tactics)
+        return x
+
+    def forward(self, x):
+        return gemm.gemm(self._input(x), self.weight, self.scale, self.bias, self.n, self.group_size, self.out_float,
+                         self.tactics)
+
+    def forward_swiglu(self, x):
+        """silu(gate) * up of this [gate; up] linear, in one call (`kiln_cpp::gemm_swiglu`)."""
+        return gemm.gemm_swiglu(self._input(x), self.weight, self.scale, self.bias, self.n, self.group_size,
+                                self.tactics)
 
 
 def packed_lm_head(config: PretrainedConfig, weight: torch.Tensor, quantize: str = "none") -> PackedLinear:

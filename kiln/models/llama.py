@@ -15,7 +15,7 @@ from torch import nn
 
 from kiln.config import ELEMENTWISE_PLUGINS, PretrainedConfig, torch_dtype
 from kiln.models import lora, rope
-from kiln.models.linear import make_linear, packed_lm_head, tensor_specs
+from kiln.models.linear import PackedLinear, make_linear, packed_lm_head, tensor_specs
 from kiln.models.moe import MoeMLP, moe_tensor_specs
 from kiln.models.parallel import TensorParallel
 from kiln.plugins import cpu, gemm, ops
@@ -80,14 +80,18 @@ class LlamaLayer(nn.Module):
         if config.is_moe_layer(index):
             self.moe = MoeMLP(config, weights, prefix, rank, packed)
         else:
-            # fc (activated) and gate as one GEMM: one pass over the activations instead of two.
+            # fc (activated) and gate as one GEMM: one pass over the activations instead of two;
+            # on the plugin, with SiLU applied in the same call (gemm_swiglu) unless LoRA adds to it.
             self.gate_up = linear("mlp.fc", "mlp.gate")
             self.proj = linear("mlp.proj")
+            self.gate_up.swiglu = isinstance(self.gate_up, PackedLinear) and config.hidden_act == "silu"
 
     def mlp(self, x, act_and_mul, adapt=None):
         """adapt(out, inp, (module, column), ...): out plus those modules' LoRA updates (LoRA engines)."""
         if self.moe is not None:
             return self.moe(x, act_and_mul)
+        if adapt is None and self.gate_up.swiglu:
+            return self.proj(self.gate_up.forward_swiglu(x))
         up = self.gate_up(x)
         if adapt is None:
             return self.proj(act_and_mul(up))

@@ -36,7 +36,7 @@ CSRC = Path(__file__).parent / "csrc"
 # code shared with the AVX2/AVX-512 files comes from a file built without those target options.
 SOURCES = ("paged_attention.cpp", "gemm.cpp", "thread_pool.cpp", "cpu_features.cpp", "kernels_default.cpp",
            "kernels_avx2.cpp", "paged_attention_avx512.cpp", "gemm_avx512.cpp", "gemm_amx.cpp", "attention_bf16.cpp",
-           "sampler.cpp", "all_reduce.cpp", "elementwise.cpp", "moe.cpp", "lora.cpp", "lora_bf16.cpp")
+           "sampler.cpp", "all_reduce.cpp", "elementwise.cpp", "embedding.cpp", "moe.cpp", "lora.cpp", "lora_bf16.cpp")
 HEADERS = ("gemm_op.h", "paged_attention.h", "paged_attention_kernel.h", "paged_attention_x86.h", "gemm.h",
            "gemm_kernel.h",
            "gemm_avx512.h", "sampler.h", "sampler_kernel.h", "vec_common.h", "thread_pool.h",

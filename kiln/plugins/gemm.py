@@ -85,3 +85,11 @@ def gemm(x, weight, scale, bias, n: int, group_size: int = 0, out_float: bool = 
     from kiln.plugins import cpp
 
     return cpp.gemm_op()(x, weight, scale, bias, n, group_size, out_float, list(tactics))
+
+
+def gemm_swiglu(x, weight, scale, bias, n: int, group_size: int = 0, tactics=()):
+    """silu(y[..., :n // 2]) * y[..., n // 2:] of y = gemm(x, ...): a gated MLP's fused [gate; up]
+    projection and its activation in one call (the AMX kernel fuses them in its epilogue)."""
+    from kiln.plugins import cpp
+
+    return cpp.op("gemm_swiglu")(x, weight, scale, bias, n, group_size, list(tactics))

@@ -197,7 +197,10 @@ def _time_us(layer, m: int, kernels: list[int], x_dtype: torch.dtype, budget_s: 
 
     def call(kernel):
         start = time.perf_counter()
-        gemm.gemm(x, weight, scale, layer.bias, layer.n, layer.group_size, layer.out_float, (1 << 62, kernel))
+        if getattr(layer, "swiglu", False):  # the call the layer makes: its activation fused or not
+            gemm.gemm_swiglu(x, weight, scale, layer.bias, layer.n, layer.group_size, (1 << 62, kernel))
+        else:
+            gemm.gemm(x, weight, scale, layer.bias, layer.n, layer.group_size, layer.out_float, (1 << 62, kernel))
         return time.perf_counter() - start
 
     calls = {k: [] for k in kernels}
@@ -222,7 +225,8 @@ def gemm_key(layer, x_dtype: torch.dtype) -> str:
     w = layer.weight
     return (f"n{layer.n}_k{layer.k}_{str(w.dtype).removeprefix('torch.')}"
             f"{'_g' + str(layer.group_size) if layer.group_size else ''}"
-            f"{'_f32out' if layer.out_float else ''}_x{str(x_dtype).removeprefix('torch.')}")
+            f"{'_f32out' if layer.out_float else ''}{'_swiglu' if getattr(layer, 'swiglu', False) else ''}"
+            f"_x{str(x_dtype).removeprefix('torch.')}")
 
 
 def select(layers: dict[str, object], x_dtype: torch.dtype, max_num_tokens: int, int8_activations: bool,

@@ -51,6 +51,7 @@
 #endif
 
 #include "amx_tiles.h"
+#include "gemm_avx512.h"
 
 namespace kiln {
 namespace avx512 {
@@ -65,21 +66,6 @@ inline __m512 dot_pair(__m512 acc, __m512i panel_row, const void* pair) {
   int32_t bits;
   std::memcpy(&bits, pair, 4);
   return _mm512_dpbf16_ps(acc, (__m512bh)panel_row, (__m512bh)_mm512_set1_epi32(bits));
-}
-
-// 2^x for x <= 12 (-inf included: 0) as 2^n * 2^f, f in [-1/2, 1/2], 2^f by its degree-5 Taylor
-// polynomial: relative error < 3e-6, far inside the bf16 rounding of P.
-inline __m512 exp2_bounded(__m512 x) {
-  const __m512 t = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.33335581e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Two float vectors as one vector of bf16 pairs: lane l holds (even[l], odd[l]).

@@ -1,9 +1,9 @@
 // kiln_cpp::gemm: the C++ CPU GEMM plugin for linear layers with packed (and quantized) weights.
 //
 //   gemm(x [..., K], weight, scale?, bias?, n, group_size, out_float, tactics) -> [..., n]
-//   embedding(packed, ids [...], n, k) -> [..., k]: rows of a packed table
-//   embedding_dequant(packed, scale, ids [...], n, k, group_size, dtype) -> [..., k]: rows of an
-//     int8 / int4 packed table, dequantized
+//   gemm_swiglu(x [..., K], weight, scale?, bias?, n, group_size, tactics) -> [..., n / 2]:
+//     silu(y[..., :n / 2]) * y[..., n / 2:] of y = gemm(x, ...), a gated MLP's up projection and
+//     activation in one call (the bf16 kernels apply it to the float accumulators in their epilogue)
 //   gemm_kernels(weight, x_dtype, group_size) -> int[]: the kernels that run here for that weight
 //
 // weight holds the [n, K] matrix in panels of 16 output columns (kiln/plugins/gemm.py packs it at
@@ -49,14 +49,16 @@
 #include <string>
 #include <vector>
 
-#include "gemm.h"
+#include "elementwise.h"
+#include "gemm_op.h"
+#include "op_dtype.h"
 #include "thread_pool.h"
 #include "paged_attention_x86.h"
 
 namespace kiln {
 namespace {
-
 constexpr const char* kOp = "kiln_cpp::gemm: ";
+}  // namespace
 
 WeightFormat format_of(const at::Tensor& w) {
   switch (w.scalar_type()) {
@@ -81,11 +83,6 @@ OutType out_type_of(at::ScalarType t) {
   }
 }
 
-// k per stored row, the K padding and the row width of a format's panels.
-struct Layout {
-  int64_t k_per_row, pad_k, width;
-};
-
 Layout layout_of(WeightFormat f) {
   switch (f) {
     case WeightFormat::BFloat16: return {kPairK, kBf16PadK, kPairK * kPanel};
@@ -99,6 +96,14 @@ int64_t panel_rows_for(WeightFormat f, int64_t K) {
   const Layout l = layout_of(f);
   return round_up(K, l.pad_k) / l.k_per_row;
 }
+
+void check_packed(const at::Tensor& t, const char* op, const char* what, int64_t width) {
+  TORCH_CHECK(t.dim() == 3 && t.size(2) == width && t.is_contiguous(), op, what, " must be contiguous [panels, rows, ",
+              width, "] (kiln.plugins.gemm packs it; engines built before the ", width,
+              "-wide layout must be rebuilt), got shape ", t.sizes());
+}
+
+namespace {
 
 // -- kernels ------------------------------------------------------------------------------------
 
@@ -290,12 +295,6 @@ at::Tensor dense_weight(const at::Tensor& w, const GemmParams& p, at::ScalarType
   return d.narrow(0, 0, p.n).narrow(1, 0, p.K);
 }
 
-void check_packed(const at::Tensor& t, const char* op, const char* what, int64_t width) {
-  TORCH_CHECK(t.dim() == 3 && t.size(2) == width && t.is_contiguous(), op, what, " must be contiguous [panels, rows, ",
-              width, "] (kiln.plugins.gemm packs it; engines built before the ", width,
-              "-wide layout must be rebuilt), got shape ", t.sizes());
-}
-
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   TORCH_CHECK(!shape.empty(), kOp, "x must have at least one dimension");
@@ -303,9 +302,21 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   return shape;
 }
 
-at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+// silu(y[..., :I]) * y[..., I:] of a contiguous y [..., 2I], on the elementwise op's kernel: gemm_swiglu
+// on the kernels that do not fuse it.
+at::Tensor swiglu_of(const at::Tensor& y) {
+  const int64_t I = y.size(-1) / 2, rows = I == 0 ? 0 : y.numel() / (2 * I);
+  at::Tensor out = at::empty(out_shape(y, I), y.options());
+  const SiluMulParams sp{float_dtype_of(y, kOp, "x"), y.const_data_ptr(), out.mutable_data_ptr(), I, 2 * I};
+  kiln::pool::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, I)),
+                           [&](int64_t begin, int64_t end) { silu_and_mul(sp, begin, end); });
+  return out;
+}
+
+at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
-                    c10::IntArrayRef tactics) {
+                    c10::IntArrayRef tactics, bool swiglu) {
+  TORCH_CHECK(!swiglu || n % 2 == 0, kOp, "gemm_swiglu needs n = 2 x the gated width (gate and up), got n = ", n);
   const WeightFormat format = format_of(weight);
   const at::ScalarType out_dtype = out_float ? at::kFloat : x.scalar_type();
   out_type_of(x.scalar_type());
@@ -351,13 +362,17 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
     kiln::pool::OmpThreadsScope threads;
     at::Tensor y = at::linear(x, dense_weight(weight, p, x.scalar_type()));  // scales folded into the weight
     if (bias_f.defined()) y = y + bias_f;
-    return y.to(out_dtype);
+    return swiglu ? swiglu_of(y.to(out_dtype).contiguous()) : y.to(out_dtype);
   }
 
-  at::Tensor out = at::empty(out_shape(x, n), x.options().dtype(out_dtype));
+  // The bf16 kernels (AMX, AVX-512-BF16) pair each gate panel with its up panel and apply the
+  // activation to their accumulators; the others write y and a second pass activates it.
+  const bool fused = swiglu && (kernel == Kernel::AmxBf16 || kernel == Kernel::Avx512Bf16) && n % (2 * kPanel) == 0;
+  p.swiglu_panels = fused ? panels / 2 : 0;
+  at::Tensor out = at::empty(out_shape(x, fused ? n / 2 : n), x.options().dtype(out_dtype));
   p.out = out.mutable_data_ptr();
   p.out_type = out_type_of(out_dtype);
-  if (p.M == 0) return out;
+  if (p.M == 0) return swiglu && !fused ? swiglu_of(out) : out;
   const at::Tensor xc = x.contiguous();
   GemmPanelsFn run = nullptr;
   const bool avx2 = (cpu_features() & kAvx2) != 0;
@@ -407,10 +422,28 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::op
   const int64_t bytes = scratch_bytes(K);
   // Claimed in pairs of panels: the kernels' blocks are two (or four) panels wide, and an odd share
   // would leave a half-width block at its end.
+  if (fused) {
+    kiln::pool::parallel_for(0, p.swiglu_panels, 1, [&](int64_t begin, int64_t end) {
+      run(p, begin, end, aligned_scratch(bytes));
+    });
+    return out;
+  }
   kiln::pool::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     run(p, 2 * begin, std::min(2 * end, panels), aligned_scratch(bytes));
   });
-  return out;
+  return swiglu ? swiglu_of(out) : out;
+}
+
+at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                    const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
+                    c10::IntArrayRef tactics) {
+  return run_gemm(x, weight, scale, bias, n, group_size, out_float, tactics, false);
+}
+
+at::Tensor gemm_swiglu_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                           const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size,
+                           c10::IntArrayRef tactics) {
+  return run_gemm(x, weight, scale, bias, n, group_size, false, tactics, true);
 }
 
 std::vector<int64_t> gemm_kernels(const at::Tensor& weight, at::ScalarType x_dtype) {
@@ -439,140 +472,6 @@ std::vector<int64_t> kernel_info(int64_t id) {  // (needed features, int8 activa
   return {k.needs, k.int8_act, k.bf16_x};
 }
 
-// Rows `ids` of a packed [n, k] table (a tied embedding reads the lm_head's packed copy): element k
-// of row i is at panel i / 16, stored row k / kk, position (i % 16) * kk + k % kk, for the layout's
-// kk k per row. An op of its own so that the compiler materializes the embedding once; as indexing
-// it fused the strided gather into every consumer of the residual. T only fixes the element width:
-// rows are copied bit for bit.
-template <typename T>
-void gather_rows(const void* packed, const int64_t* ids, void* rows, int64_t count, int64_t K, int64_t panel_rows,
-                 int64_t kk) {
-  const T* table = static_cast<const T*>(packed);
-  T* out = static_cast<T*>(rows);
-  kiln::pool::parallel_for(0, count, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const T* column = table + (ids[i] / kPanel) * panel_rows * kPanel * kk + (ids[i] % kPanel) * kk;
-      for (int64_t k = 0; k < K; ++k) out[i * K + k] = column[k / kk * kPanel * kk + k % kk];
-    }
-  });
-}
-
-// ids as a contiguous int64 tensor, each a row of an n-row table.
-at::Tensor checked_ids(const at::Tensor& ids, int64_t n, const char* op) {
-  TORCH_CHECK(ids.scalar_type() == at::kLong, op, "ids must be int64, got ", ids.scalar_type());
-  at::Tensor idc = ids.contiguous();
-  const int64_t* id = idc.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < idc.numel(); ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < n, op, "token id ", id[i], " is outside the vocabulary [0, ", n, ")");
-  }
-  return idc;
-}
-
-std::vector<int64_t> rows_shape(const at::Tensor& ids, int64_t k) {
-  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-  shape.push_back(k);
-  return shape;
-}
-
-at::Tensor embedding_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_t n, int64_t k) {
-  constexpr const char* op = "kiln_cpp::embedding: ";
-  TORCH_CHECK(packed.element_size() == 2 || packed.element_size() == 4, op,
-              "table must be float32, bfloat16 or float16, got ", packed.scalar_type());
-  const Layout layout = layout_of(format_of(packed));
-  check_packed(packed, op, "table", layout.width);
-  const int64_t K = k > 0 ? k : packed.size(1) * layout.k_per_row;
-  TORCH_CHECK(packed.size(1) == panel_rows_for(format_of(packed), K), op, "k = ", K, " does not match the table ",
-              packed.sizes());
-  TORCH_CHECK(n > 0 && n <= packed.size(0) * kPanel, op, "n = ", n, " rows do not fit ", packed.size(0), " panels");
-  const at::Tensor idc = checked_ids(ids, n, op);
-  const int64_t count = idc.numel();
-  const int64_t* id = idc.const_data_ptr<int64_t>();
-  at::Tensor out = at::empty(rows_shape(ids, K), packed.options());
-  if (packed.element_size() == 2) {
-    gather_rows<uint16_t>(packed.const_data_ptr(), id, out.mutable_data_ptr(), count, K, packed.size(1), layout.k_per_row);
-  } else {
-    gather_rows<uint32_t>(packed.const_data_ptr(), id, out.mutable_data_ptr(), count, K, packed.size(1), layout.k_per_row);
-  }
-  return out;
-}
-
-// Rows `ids` of a quantized packed [n, k] table, dequantized into dtype: an int8 one
-// (w = q * scale[row]) or an int4 one (w = q * scale[k / group_size, row]), the layouts gemm()
-// reads. A tied embedding so shares a quantized lm_head's copy.
-template <typename Out>
-void dequant_rows(const at::Tensor& packed, const float* scale, const int64_t* ids, Out* out, int64_t count,
-                  int64_t K, int64_t group_size) {
-  const int64_t panel_rows = packed.size(1), padded = packed.size(0) * kPanel;
-  const bool int4 = packed.scalar_type() == at::kByte;
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
-  kiln::pool::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = ids[i], at = (row / kPanel) * panel_rows * 4 * kPanel + (row % kPanel) * 4;
-      Out* dst = out + i * K;
-      if (int4) {
-        const uint8_t* bytes = packed.const_data_ptr<uint8_t>() + at;
-        for (int64_t k = 0; k < K; ++k) {
-          const uint8_t b = bytes[k / 8 * 4 * kPanel + k % 4];
-          const int32_t q = (((k % 8 < 4 ? b : b >> 4) & 15) ^ 8) - 8;
-          dst[k] = static_cast<Out>(static_cast<float>(q) * scale[k / group_size * padded + row]);
-        }
-      } else {
-        const int8_t* q = packed.const_data_ptr<int8_t>() + at;
-        for (int64_t k = 0; k < K; ++k) {
-          dst[k] = static_cast<Out>(static_cast<float>(q[k / 4 * 4 * kPanel + k % 4]) * scale[row]);
-        }
-      }
-    }
-  });
-}
-
-at::Tensor embedding_dequant_cpu(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& ids, int64_t n,
-                                 int64_t k, int64_t group_size, at::ScalarType dtype) {
-  constexpr const char* op = "kiln_cpp::embedding_dequant: ";
-  const WeightFormat format = format_of(packed);
-  TORCH_CHECK(format == WeightFormat::Int8 || format == WeightFormat::Int4, op,
-              "table must be int8 or uint8 (int4), got ", packed.scalar_type());
-  check_packed(packed, op, "table", layout_of(format).width);
-  TORCH_CHECK(k > 0 && packed.size(1) == panel_rows_for(format, k), op, "k = ", k, " does not match the table ",
-              packed.sizes());
-  const int64_t padded = packed.size(0) * kPanel;
-  TORCH_CHECK(n > 0 && n <= padded, op, "n = ", n, " rows do not fit ", packed.size(0), " panels");
-  const at::Tensor sc = scale.to(at::kFloat).contiguous();
-  if (format == WeightFormat::Int4) {
-    TORCH_CHECK(group_size > 0 && k % group_size == 0 && sc.numel() == k / group_size * padded, op,
-                "an int4 table needs scale [k / group_size, panels * 16] = [", group_size > 0 ? k / group_size : 0,
-                ", ", padded, "], got ", sc.sizes(), " with group_size ", group_size);
-  } else {
-    TORCH_CHECK(sc.numel() == padded, op, "an int8 table needs scale [panels * 16] = [", padded, "], got ", sc.sizes());
-  }
-  const at::Tensor idc = checked_ids(ids, n, op);
-  const int64_t count = idc.numel();
-  const int64_t* id = idc.const_data_ptr<int64_t>();
-  at::Tensor out = at::empty(rows_shape(ids, k), packed.options().dtype(dtype));
-  const float* s = sc.const_data_ptr<float>();
-  switch (out_type_of(dtype)) {
-    case OutType::Float: dequant_rows(packed, s, id, out.mutable_data_ptr<float>(), count, k, group_size); break;
-    case OutType::BFloat16:
-      dequant_rows(packed, s, id, out.mutable_data_ptr<c10::BFloat16>(), count, k, group_size);
-      break;
-    case OutType::Half: dequant_rows(packed, s, id, out.mutable_data_ptr<c10::Half>(), count, k, group_size); break;
-  }
-  return out;
-}
-
-at::Tensor embedding_dequant_meta(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& ids, int64_t n,
-                                  int64_t k, int64_t group_size, at::ScalarType dtype) {
-  std::vector<c10::SymInt> shape(ids.sym_sizes().begin(), ids.sym_sizes().end());
-  shape.push_back(k);
-  return at::empty_symint(shape, packed.options().dtype(dtype));
-}
-
-at::Tensor embedding_meta(const at::Tensor& packed, const at::Tensor& ids, int64_t n, int64_t k) {
-  std::vector<c10::SymInt> shape(ids.sym_sizes().begin(), ids.sym_sizes().end());
-  shape.push_back(k > 0 ? c10::SymInt(k) : packed.sym_size(1) * layout_of(format_of(packed)).k_per_row);
-  return at::empty_symint(shape, packed.options());
-}
-
 // Symbolic sizes: torch.export traces with a dynamic number of tokens.
 at::Tensor gemm_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                      const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
@@ -581,6 +480,16 @@ at::Tensor gemm_meta(const at::Tensor& x, const at::Tensor& weight, const std::o
   TORCH_CHECK(!shape.empty(), kOp, "x must have at least one dimension");
   shape.back() = n;
   return at::empty_symint(shape, x.options().dtype(out_float ? at::kFloat : x.scalar_type()));
+}
+
+at::Tensor gemm_swiglu_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                            const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size,
+                            c10::IntArrayRef tactics) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  TORCH_CHECK(!shape.empty(), kOp, "x must have at least one dimension");
+  TORCH_CHECK(n % 2 == 0, kOp, "gemm_swiglu needs n = 2 x the gated width (gate and up), got n = ", n);
+  shape.back() = n / 2;
+  return at::empty_symint(shape, x.options());
 }
 
 }  // namespace
@@ -597,9 +506,9 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
   m.def("gemm(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int n, int group_size=0, "
         "bool out_float=False, int[] tactics=[]) -> Tensor",
         {at::Tag::pt2_compliant_tag});
-  m.def("embedding(Tensor packed, Tensor ids, int n, int k=0) -> Tensor", {at::Tag::pt2_compliant_tag});
-  m.def("embedding_dequant(Tensor packed, Tensor scale, Tensor ids, int n, int k, int group_size, ScalarType dtype) "
-        "-> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("gemm_swiglu(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int n, int group_size=0, "
+        "int[] tactics=[]) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
   // The kernels that run on this CPU for a weight (its packed dtype) and x dtype: gemm.h's ids.
   m.def("gemm_kernels(Tensor weight, ScalarType x_dtype) -> int[]", &kiln::gemm_kernels_op);
   m.def("gemm_kernel_name(int id) -> str", &kiln::kernel_name);
@@ -611,12 +520,10 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
 
 TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) {
   m.impl("gemm", &kiln::gemm_cpu);
-  m.impl("embedding", &kiln::embedding_cpu);
-  m.impl("embedding_dequant", &kiln::embedding_dequant_cpu);
+  m.impl("gemm_swiglu", &kiln::gemm_swiglu_cpu);
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) {
   m.impl("gemm", &kiln::gemm_meta);
-  m.impl("embedding", &kiln::embedding_meta);
-  m.impl("embedding_dequant", &kiln::embedding_dequant_meta);
+  m.impl("gemm_swiglu", &kiln::gemm_swiglu_meta);
 }

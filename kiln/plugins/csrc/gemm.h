@@ -77,6 +77,10 @@ struct GemmParams {
   void* out;                 // [M, n], row stride n
   OutType out_type;
   int64_t n;  // output columns (panels * 16 rounded down to n)
+  // gemm_swiglu on a kernel that fuses it (AMX, AVX-512-BF16): > 0, the gate's panels, and the panel range a kernel
+  // is given counts them: it multiplies panel j and up panel j + swiglu_panels and stores
+  // silu(gate) * up into out [M, 16 * swiglu_panels].
+  int64_t swiglu_panels;
 };
 
 // Per-thread scratch every kernel fits in: a panel pair decoded (float or bf16) plus a tile buffer.

@@ -3,7 +3,8 @@
 // columns) are one 1 KiB tile, contiguous. One TDPBF16PS multiplies 16 rows by 32 k by 16 columns,
 // 16x the work of a vdpbf16ps.
 //
-// Per thread, panels two at a time (decoded once when not bf16) and rows 32 at a time: 4 C tiles
+// Per thread, panels two at a time (decoded once when not bf16; gemm_swiglu: a gate panel and its up
+// panel, whose C tiles the epilogue combines) and rows 32 at a time: 4 C tiles
 // (2 row blocks x 2 panels) accumulate over K from 2 A tiles and 2 B tiles per 32 k, so each tile
 // loaded feeds two multiplies. A is loaded with the streaming hint (TILELOADDT1): each A block is
 // used once per panel pair, and a plain load would evict from L1 the B pair that the next row block
@@ -84,10 +85,13 @@ void tiles(const GemmParams& p, const uint16_t* w0, const uint16_t* w1, int64_t 
   if constexpr (RB == 2 && NP == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
-void panels(const GemmParams& p, int64_t panel, int np, const uint16_t* w0, const uint16_t* w1, float* c) {
+// Panels `panel` and `second` (np of them) into out; with swiglu_panels, gate panel `panel` and its up
+// panel `second` into one block of silu(gate) * up.
+void panels(const GemmParams& p, int64_t panel, int64_t second, int np, const uint16_t* w0, const uint16_t* w1,
+            float* c) {
   const int64_t kb_count = round_up(p.K, kBf16PadK) / kTileK;
   const bool stream = p.M <= 32;
-  const Epilogue e0 = epilogue(p, panel), e1 = np == 2 ? epilogue(p, panel + 1) : e0;
+  const Epilogue e0 = epilogue(p, panel), e1 = np == 2 ? epilogue(p, second) : e0;
   for (int64_t m0 = 0; m0 < p.M; m0 += 32) {
     const int64_t rows = std::min<int64_t>(32, p.M - m0);
     if (rows > 16) {
@@ -96,6 +100,11 @@ void panels(const GemmParams& p, int64_t panel, int np, const uint16_t* w0, cons
     } else {
       if (np == 2) tiles<1, 2>(p, w0, w1, m0, kb_count, stream, c);
       else tiles<1, 1>(p, w0, w1, m0, kb_count, stream, c);
+    }
+    if (p.swiglu_panels > 0) {
+      for (int64_t m = 0; m < rows; ++m)
+        store_swiglu_row(p, e0, e1, m0 + m, _mm512_loadu_ps(c + m * 32), _mm512_loadu_ps(c + m * 32 + 16));
+      continue;
     }
     for (int64_t m = 0; m < rows; ++m) {
       store_row(p, e0, m0 + m, _mm512_loadu_ps(c + m * 32));
@@ -111,11 +120,14 @@ void gemm_bf16_panels(const GemmParams& p, int64_t begin, int64_t end, void* scr
   auto* decoded = static_cast<uint16_t*>(scratch);
   float* c = reinterpret_cast<float*>(decoded + 2 * Kb * kPanel);
   amx_tiles::configure();
-  for (int64_t panel = begin; panel < end; panel += 2) {
-    const int np = panel + 1 < end ? 2 : 1;
+  // A gate panel pairs with its up panel, else each panel with the next.
+  const int64_t step = p.swiglu_panels > 0 ? 1 : 2;
+  for (int64_t panel = begin; panel < end; panel += step) {
+    const int64_t second = p.swiglu_panels > 0 ? panel + p.swiglu_panels : panel + 1;
+    const int np = p.swiglu_panels > 0 || panel + 1 < end ? 2 : 1;
     const uint16_t* w0 = bf16_panel(p, panel, decoded);
-    const uint16_t* w1 = np == 2 ? bf16_panel(p, panel + 1, decoded + Kb * kPanel) : w0;
-    panels(p, panel, np, w0, w1, c);
+    const uint16_t* w1 = np == 2 ? bf16_panel(p, second, decoded + Kb * kPanel) : w0;
+    panels(p, panel, second, np, w0, w1, c);
   }
   _tile_release();
 }

@@ -88,6 +88,13 @@ template <int MR, int NP, bool Stream>
 inline void bf16_rows(const GemmParams& p, const uint16_t* const (&w)[NP], int64_t row0, int64_t panel) {
   __m512 acc[NP][MR];
   bf16_tile<MR, NP, Stream>(p, w, row0, round_up(p.K, 2) / 2, acc);
+  if constexpr (NP == 2) {
+    if (p.swiglu_panels > 0) {  // w: gate panel `panel` and its up panel
+      const Epilogue gate = epilogue(p, panel), up = epilogue(p, panel + p.swiglu_panels);
+      for (int m = 0; m < MR; ++m) store_swiglu_row(p, gate, up, row0 + m, acc[0][m], acc[1][m]);
+      return;
+    }
+  }
   for (int j = 0; j < NP; ++j) {
     const Epilogue e = epilogue(p, panel + j);
     for (int m = 0; m < MR; ++m) store_row(p, e, row0 + m, acc[j][m]);
@@ -136,6 +143,23 @@ void bf16_blocked(const GemmParams& p, int64_t begin, int64_t end, uint16_t* scr
     } else {
       const uint16_t* w[1] = {w0};
       for (int64_t row = 0; row < p.M; row += 8) bf16_rows_any<1, false>(p, w, row, std::min<int64_t>(8, p.M - row), panel);
+    }
+  }
+}
+
+// gemm_swiglu: each gate panel with its up panel, straight from memory for a few bf16 rows.
+void bf16_swiglu(const GemmParams& p, int64_t begin, int64_t end, uint16_t* scratch) {
+  const int64_t Kb = round_up(p.K, kBf16PadK);
+  const bool direct = p.format == WeightFormat::BFloat16 && p.M <= 4;
+  for (int64_t panel = begin; panel < end; ++panel) {
+    const uint16_t* w[2] = {bf16_panel(p, panel, scratch), bf16_panel(p, panel + p.swiglu_panels, scratch + Kb * kPanel)};
+    for (int64_t row = 0; row < p.M; row += 8) {
+      const int64_t rows = std::min<int64_t>(8, p.M - row);
+      if (direct) {
+        bf16_rows_any<2, true>(p, w, row, rows, panel);
+      } else {
+        bf16_rows_any<2, false>(p, w, row, rows, panel);
+      }
     }
   }
 }
@@ -236,6 +260,7 @@ void vnni_run(const GemmParams& p, int64_t begin, int64_t end) {
 }  // namespace
 
 void gemm_bf16_panels(const GemmParams& p, int64_t begin, int64_t end, void* scratch) {
+  if (p.swiglu_panels > 0) return bf16_swiglu(p, begin, end, static_cast<uint16_t*>(scratch));
   if (p.format == WeightFormat::BFloat16 && p.M <= 4) {
     if (p.M == 1) return bf16_direct<4>(p, begin, end);
     return bf16_direct<2>(p, begin, end);

@@ -58,6 +58,46 @@ inline void store_row(const kiln::GemmParams& p, const Epilogue& e, int64_t row,
   }
 }
 
+// 2^x as 2^n * 2^f, f in [-1/2, 1/2], 2^f by its degree-5 Taylor polynomial: relative error
+// < 3e-6, far inside a bf16 rounding; x below -150 (-inf included) gives 0.
+inline __m512 exp2_bounded(__m512 x) {
+  const __m512 t = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.33335581e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// gemm_swiglu's epilogue: silu(gate) * up = gate * up / (1 + e^-gate) of one row's 16 gate and up
+// columns (their scales and biases applied), into out [M, 16 * swiglu_panels]. e^-gate is capped at
+// e^80 so that the reciprocal estimate of a huge denominator is tiny, not 0 (Newton's d * r would be
+// inf * 0), as in the elementwise op.
+inline void store_swiglu_row(const kiln::GemmParams& p, const Epilogue& gate, const Epilogue& up, int64_t row,
+                             __m512 gate_acc, __m512 up_acc) {
+  const __m512 g = _mm512_fmadd_ps(gate_acc, gate.scale, gate.bias), u = _mm512_fmadd_ps(up_acc, up.scale, up.bias);
+  const __m512 minus_g_log2e = _mm512_mul_ps(g, _mm512_set1_ps(-1.44269504f));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp2_bounded(_mm512_min_ps(minus_g_log2e, _mm512_set1_ps(115.4f))));
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+  const __m512 v = _mm512_mul_ps(_mm512_mul_ps(g, u), r);
+  const int64_t at = row * (p.swiglu_panels * kiln::kPanel) + gate.col0;
+  switch (p.out_type) {
+    case kiln::OutType::Float: _mm512_storeu_ps(static_cast<float*>(p.out) + at, v); break;
+    case kiln::OutType::BFloat16:
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + at), (__m256i)_mm512_cvtneps_pbh(v));
+      break;
+    case kiln::OutType::Half:
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + at),
+                          _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      break;
+  }
+}
+
 // Two 16-float rows (k, k + 1) of a panel as one row of bf16 pairs.
 inline void store_pairs(uint16_t* out, __m512 even, __m512 odd) {
   const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // [even 0..15, odd 0..15]

@@ -267,14 +267,54 @@ inline void by_panels(const Tile& t, Fn fn) {
 // chunks rescale nothing.
 constexpr float kRescaleAbove = 12.f;
 
+// One panel's lanes of a chunk: the rows' positions, the last key before each row's window (below
+// every key when there is no window), and the first key some row of the tile must not see.
+struct PanelMask {
+  __m512i pos, before;
+  int64_t start, masked_from;
+
+  // Key k's raw scores, -inf where the lane's row must not see it.
+  __m512 scores(const float* col, int64_t width, int64_t k) const {
+    const __m512 s = _mm512_loadu_ps(col + k * width);
+    if (k < masked_from) return s;
+    const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(start + k));
+    const __mmask16 seen = _mm512_cmpge_epi32_mask(pos, key) & _mm512_cmplt_epi32_mask(before, key);
+    return _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), seen, s);
+  }
+};
+
+// exp(scale * s - m) of a panel's n keys against the lanes' reference max m_exp (log2 units), as bf16
+// pairs of keys into pp; returns their sum per lane, and in mx the largest exponent taken.
+inline __m512 exp_panel(const Tile& t, const PanelMask& mask, int64_t panel, int64_t n, __m512 c, __m512 m_exp,
+                        __m512& mx) {
+  const float* col = t.s + panel * L;
+  __m512 sum = _mm512_setzero_ps();
+  mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t k = 0; k < n; k += 2) {
+    const __m512 x_even = _mm512_fmsub_ps(mask.scores(col, t.width, k), c, m_exp);
+    const __m512 x_odd = k + 1 < n ? _mm512_fmsub_ps(mask.scores(col, t.width, k + 1), c, m_exp)
+                                   : _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    mx = _mm512_max_ps(mx, _mm512_max_ps(x_even, x_odd));
+    const __m512 even = exp2_bounded(x_even), odd = exp2_bounded(x_odd);
+    _mm512_storeu_si512(t.pp + k / 2 * t.width + panel * L, pairs_of(even, odd));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
+  }
+  return sum;
+}
+
 // The chunk's n raw scores (keys start .. start + n) to P^T as bf16 pairs of keys (t, t + 1) in pp:
 // exp(scale * s - m), masked by causality and the sliding window (a row at pos sees keys pos - window
 // < key <= pos) where some row does not see every key; updates m (kept in log2 units: the max of
 // scale * log2(e) * s the exps are taken against) and l, and leaves each lane's rescale factor of O^T
 // in corr. Returns whether any corr is not 1. scale > 0 (context_bf16_fits).
+//
+// A panel whose rows have seen keys already takes one pass against their reference max, which most
+// chunks leave where it is; only where some exponent came out above kRescaleAbove (or no key has been
+// seen yet) is the chunk's max taken first and the pass repeated against it.
 bool online_softmax(const Tile& t, int64_t start, int64_t n, int64_t window, float scale) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 c = _mm512_set1_ps(scale * 1.44269504f), one = _mm512_set1_ps(1.f);
+  const __m512 above = _mm512_set1_ps(kRescaleAbove);
   // Keys before `masked_from` are seen by every row (the first row sees up to its own position; with
   // a window, the last row sees from its position - window + 1 on: then every key is masked).
   const int64_t first_row_pos = t.pos[0], last_row_pos = t.pos[t.width - 1];
@@ -283,39 +323,36 @@ bool online_softmax(const Tile& t, int64_t start, int64_t n, int64_t window, flo
   bool rescaled = false;
   for (int64_t panel = 0; panel < t.panels; ++panel) {
     const __m512i pos = _mm512_loadu_si512(t.pos + panel * L);
-    // The last key before each row's window (below every key when there is no window).
-    const __m512i before = window == 0 ? _mm512_set1_epi32(std::numeric_limits<int32_t>::min())
-                                       : _mm512_sub_epi32(pos, _mm512_set1_epi32(static_cast<int32_t>(window)));
-    float* col = t.s + panel * L;
-    __m512 mx = neg_inf;
-    for (int64_t k = 0; k < masked_from; ++k) mx = _mm512_max_ps(mx, _mm512_loadu_ps(col + k * t.width));
-    for (int64_t k = masked_from; k < n; ++k) {
-      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(start + k));
-      const __mmask16 seen = _mm512_cmpge_epi32_mask(pos, key) & _mm512_cmplt_epi32_mask(before, key);
-      const __m512 s = _mm512_mask_mov_ps(neg_inf, seen, _mm512_loadu_ps(col + k * t.width));
-      _mm512_storeu_ps(col + k * t.width, s);
-      mx = _mm512_max_ps(mx, s);
-    }
-    mx = _mm512_mul_ps(mx, c);
-    // The softmax is the same against any reference max: only a lane whose max rose by more than
-    // kRescaleAbove moves its own (as a lane's first seen key always does: m_old is -inf).
+    const PanelMask mask{pos,
+                         window == 0 ? _mm512_set1_epi32(std::numeric_limits<int32_t>::min())
+                                     : _mm512_sub_epi32(pos, _mm512_set1_epi32(static_cast<int32_t>(window))),
+                         start, masked_from};
     const __m512 m_old = _mm512_loadu_ps(t.m + panel * L);
-    const __mmask16 move = _mm512_cmp_ps_mask(mx, _mm512_add_ps(m_old, _mm512_set1_ps(kRescaleAbove)), _CMP_GT_OQ);
-    const __m512 m_new = _mm512_mask_mov_ps(m_old, move, mx);
-    // A row that has seen no key yet (its window starts on a later page) keeps m = -inf; its exps
-    // are taken against 0 then, so that they and corr are 0, not NaN.
-    const __m512 m_exp = _mm512_mask_mov_ps(m_new, _mm512_cmpeq_ps_mask(m_new, neg_inf), _mm512_setzero_ps());
-    const __m512 corr = move ? exp2_bounded(_mm512_sub_ps(m_old, m_exp)) : one;
-    rescaled = rescaled || move;
-    const auto e = [&](int64_t k) { return exp2_bounded(_mm512_fmsub_ps(_mm512_loadu_ps(col + k * t.width), c, m_exp)); };
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t k = 0; k < n; k += 2) {
-      const __m512 even = e(k), odd = k + 1 < n ? e(k + 1) : _mm512_setzero_ps();
-      _mm512_storeu_si512(t.pp + k / 2 * t.width + panel * L, pairs_of(even, odd));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
+    __m512 mx, sum;
+    bool settled = _mm512_cmpeq_ps_mask(m_old, neg_inf) == 0;
+    if (settled) {
+      sum = exp_panel(t, mask, panel, n, c, m_old, mx);
+      settled = _mm512_cmp_ps_mask(mx, above, _CMP_GT_OQ) == 0;
+    }
+    __m512 corr = one;
+    if (!settled) {
+      const float* col = t.s + panel * L;
+      mx = neg_inf;
+      for (int64_t k = 0; k < n; ++k) mx = _mm512_max_ps(mx, mask.scores(col, t.width, k));
+      mx = _mm512_mul_ps(mx, c);
+      // The softmax is the same against any reference max: only a lane whose max rose by more than
+      // kRescaleAbove moves its own (as a lane's first seen key always does: m_old is -inf).
+      const __mmask16 move = _mm512_cmp_ps_mask(mx, _mm512_add_ps(m_old, above), _CMP_GT_OQ);
+      const __m512 m_new = _mm512_mask_mov_ps(m_old, move, mx);
+      // A row that has seen no key yet (its window starts on a later page) keeps m = -inf; its exps
+      // are taken against 0 then, so that they and corr are 0, not NaN.
+      const __m512 m_exp = _mm512_mask_mov_ps(m_new, _mm512_cmpeq_ps_mask(m_new, neg_inf), _mm512_setzero_ps());
+      corr = move ? exp2_bounded(_mm512_sub_ps(m_old, m_exp)) : one;
+      rescaled = rescaled || move;
+      sum = exp_panel(t, mask, panel, n, c, m_exp, mx);
+      _mm512_storeu_ps(t.m + panel * L, m_new);
     }
     _mm512_storeu_ps(t.l + panel * L, _mm512_fmadd_ps(_mm512_loadu_ps(t.l + panel * L), corr, sum));
-    _mm512_storeu_ps(t.m + panel * L, m_new);
     _mm512_storeu_ps(t.corr + panel * L, corr);
   }
   return rescaled;

@@ -365,6 +365,22 @@ def test_bf16_aoti_engine_uses_plugin_by_default(engine):
     ops = kiln_ops(aoti, "kiln_cpp")
     assert {"gemm", "gemm_swiglu", "rms_norm", "fused_add_rms_norm", "rotary_embedding"} <= ops
     assert "silu_and_mul" not in ops
-    got, _ = _logits_and_tokens(aoti)
-    want, want_lp = _logits_and_tokens(engine("llama", "eager", dtype="bfloat16"))
-    assert_same_greedy(got, want, want_lp)
+    eager = engine("llama", "eager", dtype="bfloat16")
+    _assert_scores_agree(LLM(aoti), LLM(eager))
+
+
+def _assert_scores_agree(got_llm, want_llm):
+    """got_llm, fed want_llm's greedy continuations (teacher forcing, so that a near tie flipped early
+    cannot send the rest of a sequence elsewhere), gives each token about want_llm's log-prob and
+    picks it itself but at near ties: bf16 rounds differently in different kernels (the fused SwiGLU
+    not at all between the GEMM and the activation)."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+    for want in want_llm.generate(PROMPTS, params):
+        tokens, lps = want.outputs[0].token_ids, want.outputs[0].logprobs
+        scored = got_llm.generate({"prompt_token_ids": want.prompt_token_ids + tokens[:-1]},
+                                  SamplingParams(max_tokens=1, prompt_logprobs=5))[0]
+        for i, got in enumerate(scored.prompt_logprobs[len(want.prompt_token_ids):]):
+            t, w = tokens[i], lps[i]
+            assert abs(got[t] - w[t]) < 0.05, f"token {i} ({t}): log-prob {got[t]:.4f}, want {w[t]:.4f}"
+            top = max(got, key=got.get)
+            assert top == t or (top in w and w[t] - w[top] < 0.02), f"token {i}: picks {top} for {t}: {w}"

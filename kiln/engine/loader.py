@@ -39,8 +39,7 @@ class AOTIModel:
 def _leaves(value, spec) -> list:
     """The tensors of `value` in the order of `spec` (dicts by its keys: the lora_pools dict too)."""
     if spec.type is dict:
-        return [leaf for key, child in zip(spec.context, spec.children_specs)
-                for leaf in _leaves(value[key], child)]
+        return [leaf for i, key in enumerate(spec.context) for leaf in _leaves(value[key], spec.child(i))]
     return [value]
 
 

@@ -644,3 +644,25 @@ def test_dead_engine_core_is_a_sticky_error(engine_dir):
         assert len(deaths) == 1 and a.dead is deaths[0]
     finally:
         a.shutdown()
+
+
+def test_frozen_heap_frees_dropped_engines(engine_dir):
+    """The engine core freezes the heap out of the garbage collector (KILN_GC_FREEZE): an engine
+    dropped in a reference cycle is still freed, at the next engine's start or at shutdown."""
+    import gc
+    import weakref
+
+    dropped = LLM(engine_dir)
+    dropped.cycle = dropped
+    ref = weakref.ref(dropped)
+    del dropped
+    assert gc.get_freeze_count() > 0 and ref() is not None
+    LLM(engine_dir).generate(["x"], greedy(2))
+    assert ref() is None
+    closed = LLM(engine_dir)
+    closed.cycle = closed
+    ref = weakref.ref(closed)
+    closed.llm_engine.shutdown()
+    del closed
+    gc.collect()
+    assert ref() is None

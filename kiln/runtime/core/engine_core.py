@@ -77,10 +77,13 @@ class BatchQueue:
 def _freeze_heap() -> None:
     """What startup built (torch's modules, the engine, the tokenizer) lives until the process ends:
     frozen out of the garbage collector, whose full passes would walk all of it between steps (5% of
-    a batch-16 decode step), as vLLM freezes its heap after startup. Unfrozen at exit, so that
-    extensions (xgrammar's nanobind) see their objects freed."""
+    a batch-16 decode step), as vLLM freezes its heap after startup. Frozen cyclic garbage is never
+    collected: an engine's shutdown and the next engine's start unfreeze it (a process that drops
+    and loads engines, Triton's reloads, frees the old ones), as does exit, so that extensions
+    (xgrammar's nanobind) see their objects freed."""
     if os.environ.get("KILN_GC_FREEZE", "1") != "1":
         return
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
     atexit.unregister(gc.unfreeze)
@@ -167,6 +170,7 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+        gc.unfreeze()
 
     def stats(self) -> SchedulerStats:
         running = {s.request.request_id for s in self.scheduler.running}

@@ -9,7 +9,10 @@ for Kiln and for HF, and prints the ratios; and how long loading the engine took
 Prompts are random token ids of equal length, so HF's batched generate needs no padding, and every
 timed Kiln call gets prompts of its own: a prompt seen before would be served by the prefix cache (a
 "prefill" of one block). The share of timed prompt tokens the cache served is printed (0% expected).
-It prints the CPU and its ISA flags first.
+It prints the CPU and its ISA flags first. --rounds N measures every Kiln engine and peer N times in turn,
+each cell keeping its best round, and prints the memory read bandwidth at each round's start: on a shared
+machine it drifts by tens of percent within minutes, which once-each timings minutes apart would
+credit to whichever runtime ran in the good minute.
 
 --formats adds Kiln's weight-only int8 / int4 engines of the same weights (RTN, --group_size);
 --llama_cpp measures llama.cpp at bf16, q8_0 and q4_0 on the same weights, --openvino OpenVINO GenAI at fp16,
@@ -27,8 +30,8 @@ mixtures of experts shaped like Mixtral-8x7B and Qwen3-30B-A3B), and --build_onl
 
   python benchmarks/throughput.py --batch 1 16 --output_len 128 --json out.json
   python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --llama_cpp --batch 1 16
-  python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --openvino --ort_genai \
-      --peer_python bench_out/peers/bin/python
+  python benchmarks/throughput.py --formats bf16 int8_wo int4_wo --openvino --ort_genai --llama_cpp \
+      --peer_python bench_out/peers/bin/python --rounds 3
   python benchmarks/throughput.py --tp 3 --pp 2 --long_context 0
   python benchmarks/throughput.py --shape llama-1b --tp 2 --build_only
 """
@@ -254,6 +257,14 @@ def peer_results(flag, hf_dir, work, args, vocab):
     return out
 
 
+def keep_best(entry: dict, measured: dict) -> None:
+    """entry's {"decode": {batch: tokens/s}, "prefill": tokens/s}, each the best of itself and measured."""
+    decode = entry.setdefault("decode", {})
+    for b, v in measured["decode"].items():
+        decode[b] = max(decode.get(b, 0.0), v)
+    entry["prefill"] = max(entry.get("prefill", 0.0), measured["prefill"])
+
+
 def mapping(text: str) -> tuple[int, int]:
     tp, _, pp = text.partition("x")
     return int(tp), int(pp or 1)
@@ -302,6 +313,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=1,
                     help="time each decode this many times, Kiln and HF alike, and keep the fastest "
                          "(a shared machine's noise only ever slows a run down)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every Kiln engine and peer again this many times in turn, each cell keeping "
+                         "its best: the memory bandwidth a shared machine leaves drifts by tens of percent "
+                         "within minutes, so runtimes timed minutes apart once each are not compared fairly")
     ap.add_argument("--skip_hf", action="store_true")
     ap.add_argument("--llama_cpp", action="store_true",
                     help="also measure llama.cpp (llama-cpp-python built from source) at bf16, q8_0, q4_0")
@@ -401,11 +416,12 @@ def main():
         token to the last finish (time_kiln subtracts a separately timed prefill, as time_hf does)."""
         decode = decode_kiln if parallel else time_kiln
         fmt, (tp, pp) = key
-        entry = results["kiln"].setdefault(fmt, {})[f"{tp}x{pp}"] = {
-            "engine": str(engines[key]), "build": builds.get(key),
+        entry = results["kiln"].setdefault(fmt, {}).setdefault(f"{tp}x{pp}", {
+            "engine": str(engines[key]), "build": builds.get(key)})
+        keep_best(entry, {
             "decode": {b: max(decode(engine, b, args.input_len, args.output_len, vocab) for _ in range(args.repeats))
                        for b in args.batch},
-            "prefill": max(prefill_kiln(engine, args.prefill_len, vocab) for _ in range(args.repeats))}
+            "prefill": max(prefill_kiln(engine, args.prefill_len, vocab) for _ in range(args.repeats))})
         return entry
 
     ours = measure(llm, first)
@@ -444,9 +460,26 @@ def main():
             measure(other, key)["load_seconds"] = time.perf_counter() - start
             other.llm_engine.shutdown()
             del other
-    for flag in PEERS:
-        if getattr(args, flag):
-            results[flag] = peer_results(flag, hf_dir, work, args, vocab)
+    for rnd in range(args.rounds):
+        if rnd:  # the first round measured the first engine above, with HF and the roofline
+            from roofline import bandwidth
+
+            read = bandwidth(0.25, results["threads"])["read"]
+            results.setdefault("round_read_gb_s", []).append(read)
+            print(f"round {rnd + 1} of {args.rounds}: read bandwidth now {read:.1f} GB/s", file=sys.stderr)
+            for key, path in engines.items():
+                other = LLM(path)
+                measure(other, key)
+                other.llm_engine.shutdown()
+                del other
+        for flag in PEERS:
+            if getattr(args, flag):
+                for kind, r in peer_results(flag, hf_dir, work, args, vocab).items():
+                    keep_best(results.setdefault(flag, {}).setdefault(kind, {}), r)
+    for batch, r in results["decode"].items():  # the first engine's best round, against HF's
+        r["kiln"] = results["kiln"][first[0]]["1x1"]["decode"][batch]
+    for r in results["prefill"].values():
+        r["kiln"] = results["kiln"][first[0]]["1x1"]["prefill"]
     if any(tp > 1 for tp, _ in parallel):
         import all_reduce
 

@@ -6,8 +6,10 @@ streaming and aborts, request metrics.
 Greedy outputs of one LLM with default settings (`reference`) are the yardstick the other
 configurations must reproduce token for token."""
 import asyncio
+import gc
 import math
 import time
+import weakref
 
 import pytest
 import torch
@@ -649,9 +651,6 @@ def test_dead_engine_core_is_a_sticky_error(engine_dir):
 def test_frozen_heap_frees_dropped_engines(engine_dir):
     """The engine core freezes the heap out of the garbage collector (KILN_GC_FREEZE): an engine
     dropped in a reference cycle is still freed, at the next engine's start or at shutdown."""
-    import gc
-    import weakref
-
     dropped = LLM(engine_dir)
     dropped.cycle = dropped
     ref = weakref.ref(dropped)

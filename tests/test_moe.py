@@ -31,9 +31,11 @@ def reference_moe(x, ids, weights, fc, proj, expert_start):
     return out
 
 
-@pytest.mark.parametrize("fmt,T", [("float32", 9), ("bfloat16", 9), ("int8", 9), ("int4", 9),
-                                   ("bfloat16", 1), ("float32", 40)])  # experts one by one, or side by side
-def test_moe_op_matches_the_per_expert_loop(fmt, T):
+@pytest.mark.parametrize("fmt,T,kernel", [("float32", 9, 0), ("bfloat16", 9, 0), ("int8", 9, 0), ("int4", 9, 0),
+                                          ("float32", 40, 0),  # experts side by side
+                                          ("bfloat16", 1, 0), ("int4", 1, 0), ("int8", 1, 7), ("int4", 1, 7)])
+def test_moe_op_matches_the_per_expert_loop(fmt, T, kernel):
+    """T = 1: its two experts' GEMMs in one parallel loop each (kernel 7: int8 activations, vpdpbusd)."""
     cpp.load()
     g = torch.Generator().manual_seed(0)
     E, H, I, k, start = 6, 64, 32, 2, 2  # experts 2..7 held here; ids 0, 1 belong to another rank
@@ -60,10 +62,10 @@ def test_moe_op_matches_the_per_expert_loop(fmt, T):
     stack = lambda parts, i: None if parts[0][i] is None else torch.stack([p[i] for p in parts])  # noqa: E731
     got = torch.ops.kiln_cpp.moe(x.to(dtype), ids, weights.to(dtype), stack(packed[0], 0), stack(packed[0], 1),
                                  stack(packed[1], 0), stack(packed[1], 1), start, I, 32 if fmt == "int4" else 0,
-                                 [1 << 62, 0], [1 << 62, 0])
+                                 [1 << 62, kernel], [1 << 62, kernel])
     want = reference_moe(x.to(dtype), ids, weights.to(dtype).float(), stack(packed[0], 2), stack(packed[1], 2), start)
     assert got.dtype == dtype
-    tol = 2e-2 if fmt == "bfloat16" else 1e-4
+    tol = 2e-2 if fmt == "bfloat16" or kernel else 1e-4
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert want.abs().max() > 0.1
 

@@ -217,9 +217,8 @@ template <typename T>
 float to_f(T v) { return static_cast<float>(v); }
 
 // x [M, K] as float32 rows of stride ldx, zero past K.
-const float* float_x(const at::Tensor& xc, int64_t M, int64_t K, int64_t ldx) {
+const float* float_x(const at::Tensor& xc, int64_t M, int64_t K, int64_t ldx, std::vector<float>& buffer) {
   if (xc.scalar_type() == at::kFloat && ldx == K) return xc.const_data_ptr<float>();
-  thread_local std::vector<float> buffer;
   float* out = grown(buffer, M * ldx);
   kiln::pool::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -243,10 +242,10 @@ const float* float_x(const at::Tensor& xc, int64_t M, int64_t K, int64_t ldx) {
 }
 
 // bf16 x as [rows, ldxb]: x itself when its layout already fits, else a zero-padded copy.
-const uint16_t* bf16_x(const at::Tensor& xc, int64_t M, int64_t K, int64_t ldxb, int64_t rows) {
+const uint16_t* bf16_x(const at::Tensor& xc, int64_t M, int64_t K, int64_t ldxb, int64_t rows,
+                       std::vector<uint16_t>& buffer) {
   const auto* x = reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>());
   if (ldxb == K && rows == M) return x;
-  thread_local std::vector<uint16_t> buffer;
   uint16_t* out = grown(buffer, rows * ldxb);
   for (int64_t m = 0; m < rows; ++m) {
     uint16_t* row = out + m * ldxb;
@@ -313,9 +312,12 @@ at::Tensor swiglu_of(const at::Tensor& y) {
   return out;
 }
 
-at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-                    const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
-                    c10::IntArrayRef tactics, bool swiglu) {
+}  // namespace
+
+GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                   const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
+                   c10::IntArrayRef tactics, bool swiglu, GemmBuffers& buffers)
+    : swiglu_(swiglu) {
   TORCH_CHECK(!swiglu || n % 2 == 0, kOp, "gemm_swiglu needs n = 2 x the gated width (gate and up), got n = ", n);
   const WeightFormat format = format_of(weight);
   const at::ScalarType out_dtype = out_float ? at::kFloat : x.scalar_type();
@@ -328,28 +330,27 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::op
   TORCH_CHECK(weight.size(1) == panel_rows_for(format, K) && (format != WeightFormat::Int4 || K % 16 == 0), kOp,
               "x has K = ", K, " input features but weight is ", weight.sizes());
 
-  GemmParams p{};
-  at::Tensor scale_f, bias_f;
+  GemmParams& p = p_;
   const bool quantized = format == WeightFormat::Int8 || format == WeightFormat::Fp8E4M3 || format == WeightFormat::Int4;
   TORCH_CHECK(scale.has_value() || !quantized, kOp, weight.scalar_type(), " weights need a scale");
-  if (scale.has_value()) scale_f = scale->to(at::kFloat).contiguous();
+  if (scale.has_value()) scale_ = scale->to(at::kFloat).contiguous();
   if (format == WeightFormat::Int4) {
     TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0 && K % group_size == 0, kOp,
                 "group_size must be a power of two >= 32 dividing K = ", K, ", got ", group_size);
-    TORCH_CHECK(scale_f.dim() == 2 && scale_f.size(0) == K / group_size && scale_f.size(1) == padded, kOp,
+    TORCH_CHECK(scale_.dim() == 2 && scale_.size(0) == K / group_size && scale_.size(1) == padded, kOp,
                 "int4 scale must be [K / group_size, panels * 16] = [", K / group_size, ", ", padded, "], got ",
-                scale_f.sizes());
-    p.group_scale = scale_f.const_data_ptr<float>();
+                scale_.sizes());
+    p.group_scale = scale_.const_data_ptr<float>();
     while ((int64_t{1} << p.group_shift) < group_size) ++p.group_shift;
-  } else if (scale_f.defined()) {
-    TORCH_CHECK(scale_f.numel() == padded, kOp, "scale must have panels * 16 = ", padded, " values, got ",
-                scale_f.sizes());
-    p.col_scale = scale_f.const_data_ptr<float>();
+  } else if (scale_.defined()) {
+    TORCH_CHECK(scale_.numel() == padded, kOp, "scale must have panels * 16 = ", padded, " values, got ",
+                scale_.sizes());
+    p.col_scale = scale_.const_data_ptr<float>();
   }
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n, kOp, "bias must have n = ", n, " values, got ", bias->sizes());
-    bias_f = bias->to(at::kFloat).contiguous();
-    p.bias = bias_f.const_data_ptr<float>();
+    bias_ = bias->to(at::kFloat).contiguous();
+    p.bias = bias_.const_data_ptr<float>();
   }
   p.M = K == 0 ? 0 : x.numel() / K;
   p.K = K;
@@ -358,23 +359,24 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::op
   p.panel_rows = weight.size(1);
   p.n = n;
   const Kernel kernel = pick(tactics, p.M, format, x.scalar_type());
-  if (kernel == Kernel::Aten) {
+  if (kernel == Kernel::Aten) {  // computed here: ATen's matmul brings its own threads
     kiln::pool::OmpThreadsScope threads;
     at::Tensor y = at::linear(x, dense_weight(weight, p, x.scalar_type()));  // scales folded into the weight
-    if (bias_f.defined()) y = y + bias_f;
-    return swiglu ? swiglu_of(y.to(out_dtype).contiguous()) : y.to(out_dtype);
+    if (bias_.defined()) y = y + bias_;
+    out_ = swiglu ? swiglu_of(y.to(out_dtype).contiguous()) : y.to(out_dtype);
+    swiglu_ = false;
+    return;
   }
 
   // The bf16 kernels (AMX, AVX-512-BF16) pair each gate panel with its up panel and apply the
-  // activation to their accumulators; the others write y and a second pass activates it.
-  const bool fused = swiglu && (kernel == Kernel::AmxBf16 || kernel == Kernel::Avx512Bf16) && n % (2 * kPanel) == 0;
-  p.swiglu_panels = fused ? panels / 2 : 0;
-  at::Tensor out = at::empty(out_shape(x, fused ? n / 2 : n), x.options().dtype(out_dtype));
-  p.out = out.mutable_data_ptr();
+  // activation to their accumulators; the others write y and result() activates it.
+  fused_ = swiglu && (kernel == Kernel::AmxBf16 || kernel == Kernel::Avx512Bf16) && n % (2 * kPanel) == 0;
+  p.swiglu_panels = fused_ ? panels / 2 : 0;
+  out_ = at::empty(out_shape(x, fused_ ? n / 2 : n), x.options().dtype(out_dtype));
+  p.out = out_.mutable_data_ptr();
   p.out_type = out_type_of(out_dtype);
-  if (p.M == 0) return swiglu && !fused ? swiglu_of(out) : out;
-  const at::Tensor xc = x.contiguous();
-  GemmPanelsFn run = nullptr;
+  if (p.M == 0) return;
+  xc_ = x.contiguous();
   const bool avx2 = (cpu_features() & kAvx2) != 0;
   switch (kernel) {
     case Kernel::Avx512Bf16:
@@ -382,8 +384,8 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::op
       const bool amx = kernel == Kernel::AmxBf16;
       const int64_t ldxb = (K % (amx ? kBf16PadK : 2) == 0) ? K : round_up(K, kBf16PadK);
       p.ldxb = ldxb;
-      p.xb = bf16_x(xc, p.M, K, ldxb, amx ? round_up(p.M, 16) : p.M);
-      run = amx ? &amx::gemm_bf16_panels : &avx512::gemm_bf16_panels;
+      p.xb = bf16_x(xc_, p.M, K, ldxb, amx ? round_up(p.M, 16) : p.M, buffers.xb);
+      run_ = amx ? &amx::gemm_bf16_panels : &avx512::gemm_bf16_panels;
       break;
     }
     case Kernel::Avx2Int8:
@@ -393,13 +395,10 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::op
       const int32_t offset = kernel == Kernel::Avx512Vnni ? (int4 ? 8 : 128) : kernel == Kernel::Avx2Int8 && int4 ? 8 : 0;
       p.ldxq = round_up(K, kActBlock);
       const int64_t blocks = p.ldxq / kActBlock;
-      thread_local std::vector<int8_t> xq;
-      thread_local std::vector<float> xs;
-      thread_local std::vector<int32_t> xcomp;
-      const float* xf = float_x(xc, p.M, K, K);
-      int8_t* q = grown(xq, p.M * p.ldxq);
-      float* s = grown(xs, p.M * blocks);
-      int32_t* c = grown(xcomp, p.M * blocks);
+      const float* xf = float_x(xc_, p.M, K, K, buffers.xf);
+      int8_t* q = grown(buffers.xq, p.M * p.ldxq);
+      float* s = grown(buffers.xs, p.M * blocks);
+      int32_t* c = grown(buffers.xcomp, p.M * blocks);
       kiln::pool::parallel_for(0, p.M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
         auto quantize = avx2 ? &AVX2::quantize_rows : &DEFAULT::quantize_rows;
         quantize(xf + begin * K, end - begin, K, K, offset, q + begin * p.ldxq, p.ldxq, s + begin * blocks,
@@ -408,30 +407,40 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::op
       p.xq = q;
       p.xq_scale = s;
       p.xq_comp = c;
-      run = kernel == Kernel::Avx512Vnni ? &avx512::gemm_vnni_panels
-            : kernel == Kernel::Avx2Int8 ? &AVX2::gemm_int8_panels
-                                         : &DEFAULT::gemm_int8_panels;
+      run_ = kernel == Kernel::Avx512Vnni ? &avx512::gemm_vnni_panels
+             : kernel == Kernel::Avx2Int8 ? &AVX2::gemm_int8_panels
+                                          : &DEFAULT::gemm_int8_panels;
       break;
     }
     default: {  // float kernels: x as float32, zero-padded to whole stored rows of k
       p.ldx = K % layout.k_per_row == 0 ? K : round_up(K, kInt4K);
-      p.x = float_x(xc, p.M, K, p.ldx);
-      run = kernel == Kernel::Avx2 ? &AVX2::gemm_panels : &DEFAULT::gemm_panels;
+      p.x = float_x(xc_, p.M, K, p.ldx, buffers.xf);
+      run_ = kernel == Kernel::Avx2 ? &AVX2::gemm_panels : &DEFAULT::gemm_panels;
     }
   }
-  const int64_t bytes = scratch_bytes(K);
-  // Claimed in pairs of panels: the kernels' blocks are two (or four) panels wide, and an odd share
-  // would leave a half-width block at its end.
-  if (fused) {
-    kiln::pool::parallel_for(0, p.swiglu_panels, 1, [&](int64_t begin, int64_t end) {
-      run(p, begin, end, aligned_scratch(bytes));
-    });
-    return out;
-  }
-  kiln::pool::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    run(p, 2 * begin, std::min(2 * end, panels), aligned_scratch(bytes));
-  });
-  return swiglu ? swiglu_of(out) : out;
+  // Items are pairs of panels (the kernels' blocks are two or four panels wide, and an odd share
+  // would leave a half-width block at its end), or gate panels when the activation is fused.
+  panels_ = panels;
+  items_ = fused_ ? p.swiglu_panels : (panels + 1) / 2;
+}
+
+void GemmPlan::run(int64_t begin, int64_t end) const {
+  void* scratch = aligned_scratch(scratch_bytes(p_.K));
+  if (fused_) return run_(p_, begin, end, scratch);
+  run_(p_, 2 * begin, std::min(2 * end, panels_), scratch);
+}
+
+at::Tensor GemmPlan::result() const { return swiglu_ && !fused_ ? swiglu_of(out_) : out_; }
+
+namespace {
+
+at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                    const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
+                    c10::IntArrayRef tactics, bool swiglu) {
+  thread_local GemmBuffers buffers;
+  const GemmPlan plan(x, weight, scale, bias, n, group_size, out_float, tactics, swiglu, buffers);
+  kiln::pool::parallel_for(0, plan.items(), 1, [&](int64_t begin, int64_t end) { plan.run(begin, end); });
+  return plan.result();
 }
 
 at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 #include "gemm.h"
 
@@ -13,6 +14,37 @@ namespace kiln {
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                 const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
                 c10::IntArrayRef tactics);
+
+// Where a GEMM's x goes once converted for its kernel (float32, padded bf16, int8 with block scales
+// and compensations). Grown, never shrunk: calls reuse them.
+struct GemmBuffers {
+  std::vector<float> xf;
+  std::vector<uint16_t> xb;
+  std::vector<int8_t> xq;
+  std::vector<float> xs;
+  std::vector<int32_t> xcomp;
+};
+
+// One GEMM (gemm, or gemm_swiglu when swiglu) made ready to run: its kernel picked, x converted into
+// buffers, the output allocated. run(begin, end) computes items [begin, end) of items(), on any
+// thread; result() is the output once every item has run. kiln_cpp::gemm runs one plan over the
+// thread pool; moe.cpp runs a step's experts' plans in one parallel loop. buffers must outlive it.
+class GemmPlan {
+ public:
+  GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+           const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
+           c10::IntArrayRef tactics, bool swiglu, GemmBuffers& buffers);
+  int64_t items() const { return items_; }
+  void run(int64_t begin, int64_t end) const;
+  at::Tensor result() const;
+
+ private:
+  GemmParams p_{};
+  GemmPanelsFn run_ = nullptr;
+  int64_t items_ = 0, panels_ = 0;
+  bool swiglu_ = false, fused_ = false;
+  at::Tensor out_, xc_, scale_, bias_;
+};
 
 // The format of a packed weight, by its dtype (gemm.cpp's header has the layouts).
 WeightFormat format_of(const at::Tensor& w);

@@ -17,10 +17,11 @@
 // experts' rows times its routing weights, in float32. Ids of experts another rank holds (expert
 // parallelism) are skipped: the caller's all-reduce adds those ranks' parts.
 //
-// Few experts (a decode step of few tokens) run one after another, each GEMM split over the thread
-// pool; many (a batch, a prefill, 128-expert models) run side by side, one expert per thread at a
-// time, claimed largest first, their GEMMs single-threaded: a loop per expert and GEMM would cost
-// a pool wake-up each.
+// Few experts (a decode step of few tokens) run their up projections (gate and up, with the
+// activation) in one loop over the thread pool, then their down projections in another; many (a
+// batch, a prefill, 128-expert models) run side by side, one expert per thread at a time, claimed
+// largest first, their GEMMs single-threaded: a loop per expert and GEMM would cost a pool wake-up
+// each. The bf16 kernels apply the activation in their epilogue, as kiln_cpp::gemm_swiglu does.
 
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
@@ -35,7 +36,6 @@
 #include <numeric>
 #include <vector>
 
-#include "elementwise.h"
 #include "gemm_op.h"
 #include "op_dtype.h"
 #include "thread_pool.h"
@@ -64,6 +64,19 @@ void combine_rows(const float* ys, const int64_t* slot, const float* w, int64_t 
     }
     for (int64_t h = 0; h < H; ++h) out[t * H + h] = static_cast<T>(acc[h]);
   }
+}
+
+// Plans' items as one parallel loop: one pool wake-up for all of them, and no thread waits at the end
+// of one expert's GEMM while another has work left.
+void run_together(const std::vector<GemmPlan>& plans) {
+  std::vector<int64_t> start(plans.size() + 1, 0);
+  for (size_t i = 0; i < plans.size(); ++i) start[i + 1] = start[i] + plans[i].items();
+  kiln::pool::parallel_for(0, start.back(), 1, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < plans.size(); ++i) {
+      const int64_t lo = std::max(begin, start[i]), hi = std::min(end, start[i + 1]);
+      if (lo < hi) plans[i].run(lo - start[i], hi - start[i]);
+    }
+  });
 }
 
 at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
@@ -113,25 +126,46 @@ at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Te
                    [&](int64_t a, int64_t b) { return count[a + 1] - count[a] > count[b + 1] - count[b]; });
 
   at::Tensor ys = at::empty({rows, H}, x.options().dtype(at::kFloat));
-  auto run_expert = [&](int64_t e) {
-    const int64_t first = count[e], m = count[e + 1] - count[e];
-    const at::Tensor h = gemm(xs.narrow(0, first, m), fc.select(0, e), expert_of(fc_scale, e), std::nullopt,
-                              2 * inter, group_size, false, fc_tactics);
-    at::Tensor act = at::empty({m, inter}, x.options());
-    silu_and_mul({dtype, h.const_data_ptr(), act.mutable_data_ptr(), inter, 2 * inter}, 0, m);
+  auto up = [&](int64_t e, GemmBuffers& buffers) {
+    return GemmPlan(xs.narrow(0, count[e], count[e + 1] - count[e]), fc.select(0, e), expert_of(fc_scale, e),
+                    std::nullopt, 2 * inter, group_size, false, fc_tactics, true, buffers);
+  };
+  auto down = [&](int64_t e, const GemmPlan& up_done, GemmBuffers& buffers) {
+    at::Tensor act = up_done.result();
     if (proj_act_scale.has_value())  // onto the fp8 grid, clamped first as kiln/plugins/quant.py does
       act = (act.to(at::kFloat) / *proj_act_scale).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn).to(x.scalar_type());
-    const at::Tensor y = gemm(act, proj.select(0, e), expert_of(proj_scale, e), std::nullopt, H, group_size, true,
-                              proj_tactics);
-    std::memcpy(ys.mutable_data_ptr<float>() + first * H, y.const_data_ptr<float>(), m * H * sizeof(float));
+    return GemmPlan(act, proj.select(0, e), expert_of(proj_scale, e), std::nullopt, H, group_size, true, proj_tactics,
+                    false, buffers);
+  };
+  auto keep = [&](int64_t e, const GemmPlan& down_done) {
+    const int64_t first = count[e], m = count[e + 1] - count[e];
+    std::memcpy(ys.mutable_data_ptr<float>() + first * H, down_done.result().const_data_ptr<float>(),
+                m * H * sizeof(float));
   };
   const int64_t n = static_cast<int64_t>(active.size());
   if (n >= 2 * kiln::pool::num_threads()) {
     kiln::pool::parallel_chunks(0, n, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) run_expert(active[i]);
+      thread_local GemmBuffers buffers;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t e = active[i];
+        const GemmPlan u = up(e, buffers);
+        u.run(0, u.items());
+        const GemmPlan d = down(e, u, buffers);
+        d.run(0, d.items());
+        keep(e, d);
+      }
     });
-  } else {
-    for (int64_t e : active) run_expert(e);
+  } else if (n > 0) {
+    thread_local std::vector<GemmBuffers> buffers;
+    if (static_cast<int64_t>(buffers.size()) < n) buffers.resize(n);
+    std::vector<GemmPlan> ups, downs;
+    ups.reserve(n);
+    downs.reserve(n);
+    for (int64_t i = 0; i < n; ++i) ups.push_back(up(active[i], buffers[i]));
+    run_together(ups);
+    for (int64_t i = 0; i < n; ++i) downs.push_back(down(active[i], ups[i], buffers[i]));
+    run_together(downs);
+    for (int64_t i = 0; i < n; ++i) keep(active[i], downs[i]);
   }
 
   at::Tensor out = at::empty({T, H}, x.options());

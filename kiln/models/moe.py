@@ -1,11 +1,12 @@
 """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) on the fused `kiln_cpp::moe` plugin.
 
-The router runs in the graph exactly as HF's: logits in the model dtype, a float32 softmax over all
-experts, top-k, optionally renormalized (moe.normalization_mode), cast back to the model dtype. The
-experts this rank holds (kiln/convert/layout.py) are packed per expert for the C++ GEMM and stacked;
-the plugin groups the step's tokens by expert and runs each chosen expert once over its tokens.
-A shared expert (Qwen2-MoE) is a dense MLP on every token, scaled by sigmoid(x . shared_expert_gate).
-The layer returns this rank's partial sum; the caller's all-reduce completes it across ranks.
+The router runs in the graph exactly as HF's: logits in the model dtype (on the GEMM plugin), a
+float32 softmax over all experts, top-k, optionally renormalized (moe.normalization_mode), cast back
+to the model dtype. The experts this rank holds (kiln/convert/layout.py) are packed per expert for
+the C++ GEMM and stacked; the plugin groups the step's tokens by expert and runs each chosen expert
+once over its tokens. A shared expert (Qwen2-MoE) is a dense MLP on every token, scaled by
+sigmoid(x . shared_expert_gate). The layer returns this rank's partial sum; the caller's all-reduce
+completes it across ranks.
 """
 import torch
 import torch.nn.functional as F
@@ -73,8 +74,12 @@ class MoeMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, weights: dict, prefix: str, rank: int, packed: bool):
         super().__init__()
         m, hidden = config.mapping, config.hidden_size
-        self.router = nn.Parameter(weights[prefix + "mlp.router.weight"].to(torch_dtype(config.dtype)),
-                                   requires_grad=False)
+        dtype = torch_dtype(config.dtype)
+        router = weights[prefix + "mlp.router.weight"].to(dtype)
+        # On the plugin's GEMV: ATen's bf16 one took 30 us for Qwen3-MoE's 128 x 512 router, a serial
+        # stretch per layer long enough that the idle pool threads went to sleep (woken, late, each layer).
+        self.router = PackedLinear(gemm.pack(router), *router.shape) if packed else \
+            nn.Parameter(router, requires_grad=False)
         self.top_k, self.renormalize = config.moe.top_k, config.moe.normalization_mode == 1
         self.inter = config.moe_intermediate_size // m.moe_tp_size
         self.expert_start = expert_range(config, m.tp_rank(rank)).start
@@ -85,13 +90,14 @@ class MoeMLP(nn.Module):
         if config.moe.shared_expert_intermediate_size:
             self.shared_gate_up = make_linear(config, weights, [prefix + SHARED[0], prefix + SHARED[1]], None, packed)
             self.shared_proj = make_linear(config, weights, [prefix + SHARED[2]], None, packed)
-            self.shared_gate = nn.Parameter(weights[prefix + "mlp.shared_expert_gate.weight"].to(self.router.dtype),
+            self.shared_gate = nn.Parameter(weights[prefix + "mlp.shared_expert_gate.weight"].to(dtype),
                                             requires_grad=False)
 
     def forward(self, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
         from kiln.plugins import cpp
 
-        probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        logits = self.router(x) if isinstance(self.router, PackedLinear) else F.linear(x, self.router)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -502,13 +502,6 @@ at::Tensor gemm_swiglu_meta(const at::Tensor& x, const at::Tensor& weight, const
 }
 
 }  // namespace
-
-at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-                const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
-                c10::IntArrayRef tactics) {
-  return gemm_cpu(x, weight, scale, bias, n, group_size, out_float, tactics);
-}
-
 }  // namespace kiln
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {

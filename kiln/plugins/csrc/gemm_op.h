@@ -1,5 +1,5 @@
-// kiln_cpp::gemm's CPU implementation, for ops that run GEMMs of their own (moe.cpp), and the packed
-// layouts' helpers that the ops reading packed tables share (embedding.cpp).
+// kiln_cpp::gemm's CPU implementation as plans, for ops that run GEMMs of their own (moe.cpp), and
+// the packed layouts' helpers that the ops reading packed tables share (embedding.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,10 +10,6 @@
 #include "gemm.h"
 
 namespace kiln {
-
-at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-                const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
-                c10::IntArrayRef tactics);
 
 // Where a GEMM's x goes once converted for its kernel (float32, padded bf16, int8 with block scales
 // and compensations). Grown, never shrunk: calls reuse them.

@@ -14,7 +14,7 @@ from torch import nn
 
 from kiln.config import ConfigError, PretrainedConfig, torch_dtype
 from kiln.convert.layout import SHARED, expert_range
-from kiln.models.linear import PackedLinear, make_linear, quant_algo_of, tensor_specs
+from kiln.models.linear import Linear, PackedLinear, make_linear, quant_algo_of, tensor_specs
 from kiln.plugins import gemm, quant
 
 EXPERT_ALGOS = (None, "W8A16", "W4A16", "FP8")
@@ -78,8 +78,7 @@ class MoeMLP(nn.Module):
         router = weights[prefix + "mlp.router.weight"].to(dtype)
         # On the plugin's GEMV: ATen's bf16 one took 30 us for Qwen3-MoE's 128 x 512 router, a serial
         # stretch per layer long enough that the idle pool threads went to sleep (woken, late, each layer).
-        self.router = PackedLinear(gemm.pack(router), *router.shape) if packed else \
-            nn.Parameter(router, requires_grad=False)
+        self.router = PackedLinear(gemm.pack(router), *router.shape) if packed else Linear(router)
         self.top_k, self.renormalize = config.moe.top_k, config.moe.normalization_mode == 1
         self.inter = config.moe_intermediate_size // m.moe_tp_size
         self.expert_start = expert_range(config, m.tp_rank(rank)).start
@@ -96,8 +95,7 @@ class MoeMLP(nn.Module):
     def forward(self, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
         from kiln.plugins import cpp
 
-        logits = self.router(x) if isinstance(self.router, PackedLinear) else F.linear(x, self.router)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

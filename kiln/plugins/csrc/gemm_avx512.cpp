@@ -234,7 +234,14 @@ void vnni_rows(const GemmParams& p, const uint8_t* const (&w)[NP], int64_t row0,
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) {
       __m512 g = _mm512_set1_ps(1.0f);
-      if constexpr (kInt4) g = _mm512_loadu_ps(p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + (panel + j) * kPanel);
+      if constexpr (kInt4) {
+        const float* scales = p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + panel * kPanel;
+        g = _mm512_loadu_ps(scales + j * kPanel);
+        // The group scales are a stream of their own (one line per panel and group, rows n * 4 bytes
+        // apart) that no weight prefetch covers: fetch the next panel group's. SmolLM-135M's int4 GEMVs
+        // alternated on Zen 4: one thread 15.6 -> 16.9 GB/s, two 22.7 -> 23.5 (medians of 5 pairs).
+        _mm_prefetch(reinterpret_cast<const char*>(scales + (NP + j) * kPanel), _MM_HINT_T0);
+      }
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const int64_t at = (row0 + m) * ls + blk;

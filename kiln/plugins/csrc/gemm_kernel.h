@@ -524,6 +524,9 @@ void int8_rows(const GemmParams& p, const uint8_t* w, int64_t row0, int64_t pane
         const float* gs = p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + (panel + j) * kPanel;
         g0 = _mm256_loadu_ps(gs);
         g1 = _mm256_loadu_ps(gs + 8);
+        // The next panel group's scales, as gemm_avx512.cpp's vnni_rows does; the same GEMVs on this
+        // kernel, one thread on Zen 4: 15.1 -> 15.9 GB/s (medians of 4 pairs, all ahead).
+        _mm_prefetch(reinterpret_cast<const char*>(gs + NP * kPanel), _MM_HINT_T0);
       }
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {

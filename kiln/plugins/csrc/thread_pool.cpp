@@ -1,10 +1,14 @@
 // kiln::pool (thread_pool.h): the claim protocol, the waits, and the ops that configure the pool.
 //
-// One 64-bit word holds the current loop: [generation 32 | chunks 16 | next 16]. A thread claims
-// chunk `next` by a compare-and-swap of the whole word, so a thread that read the word of a loop
-// that has since finished cannot claim a chunk of the next one, and it reads the loop's function
-// only after a successful claim: the loop cannot finish, nor its caller return, before that chunk
-// is done. The caller counts finished chunks (`done`), not threads.
+// A loop's chunks are cut into ranges, one per thread (one in all for parallel_chunks, whose order
+// matters), each a 64-bit word: [generation 32 | front 16 | back 16], its chunks front .. back
+// unclaimed. A thread claims from the front of its own range, so the chunks it runs are adjacent
+// and a kernel's prefetch past a chunk's end reads what the thread runs next; then from the back
+// of the others' ranges, so the threads that run take the share of one that does not. A claim is a
+// compare-and-swap of the whole word: a thread that read the word of a loop that has since finished
+// cannot claim a chunk of the next one, and it reads the loop's function only after a successful
+// claim: the loop cannot finish, nor its caller return, before that chunk is done. The caller counts
+// finished chunks (`done`), not threads.
 #include "thread_pool.h"
 
 #include <ATen/Parallel.h>
@@ -22,6 +26,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <memory>
 #include <new>
 #include <string>
 #include <thread>
@@ -74,9 +79,16 @@ int env_int(const char* name, int fallback) {
 
 thread_local bool in_loop = false;
 
+struct alignas(64) Range {  // a cache line each: threads claim from their own without contention
+  std::atomic<uint64_t> word{0};
+  int64_t first = 0;  // the range's chunk 0, as a chunk of the loop
+};
+
 struct Pool {
   std::mutex busy;  // one loop at a time; a second caller runs its loop inline
-  std::atomic<uint64_t> claim{0};
+  std::unique_ptr<Range[]> ranges{new Range[1]};
+  int capacity = 1;                // ranges allocated: the threads, the caller included
+  std::atomic<int> num_ranges{1};  // the current loop's
   std::atomic<uint32_t> generation{0};  // futex the idle threads sleep on: bumped per loop
   std::atomic<uint32_t> done{0};        // futex the caller sleeps on: chunks finished
   std::atomic<int> sleepers{0};
@@ -87,6 +99,7 @@ struct Pool {
   // The loop, written before its word is published.
   const std::function<void(int64_t, int64_t)>* fn = nullptr;
   int64_t begin = 0, end = 0, chunk = 1;
+  uint64_t chunks = 0;
   bool one_each = false;  // the static schedule: each thread takes at most one chunk
   std::vector<std::thread> threads;
   std::atomic<int> target{0};  // 0: follow torch's intra-op threads (at::get_num_threads())
@@ -94,28 +107,42 @@ struct Pool {
   std::atomic<bool> static_schedule{std::getenv("KILN_PARALLEL_SCHEDULE") != nullptr &&
                                     std::string(std::getenv("KILN_PARALLEL_SCHEDULE")) == "static"};
 
-  // Claims and runs chunks of the current loop until none is left (or, one_each, after one).
-  void participate(uint32_t& last_gen) {
-    uint64_t w = claim.load(std::memory_order_acquire);
-    for (;;) {
-      const uint32_t gen = static_cast<uint32_t>(w >> 32);
-      const uint64_t chunks = (w >> 16) & kField, next = w & kField;
-      if (next >= chunks || gen == last_gen) return;
-      if (!claim.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
-      const int64_t b = begin + static_cast<int64_t>(next) * chunk, e = std::min(end, b + chunk);
-      const uint64_t n = chunks;
-      try {
-        (*fn)(b, e);
-      } catch (...) {
-        if (!failed.exchange(true)) error = std::current_exception();
+  // Claims and runs chunks of the current loop until none is left (or, one_each, after one); self:
+  // the thread's index (the caller 0), whose range it takes first.
+  void participate(int self, uint32_t& last_gen) {
+    const uint32_t gen = generation.load(std::memory_order_acquire);
+    if (gen == last_gen) return;
+    const int home = self % std::max(1, num_ranges.load(std::memory_order_acquire));
+    for (int i = 0; i < capacity; ++i) {
+      const int at = (home + i) % capacity;
+      Range& r = ranges[at];
+      uint64_t w = r.word.load(std::memory_order_acquire);
+      for (;;) {
+        const uint64_t front = (w >> 16) & kField, back = w & kField;
+        if (static_cast<uint32_t>(w >> 32) != gen || front >= back) break;
+        const bool own = at == home;
+        if (!r.word.compare_exchange_weak(w, own ? w + (1u << 16) : w - 1, std::memory_order_acq_rel,
+                                          std::memory_order_acquire))
+          continue;
+        const int64_t b = begin + (r.first + static_cast<int64_t>(own ? front : back - 1)) * chunk, e = std::min(end, b + chunk);
+        const uint64_t n = chunks;
+        const bool once = one_each;  // read while the loop cannot have finished
+        try {
+          (*fn)(b, e);
+        } catch (...) {
+          if (!failed.exchange(true)) error = std::current_exception();
+        }
+        if (done.fetch_add(1) + 1 == n && caller_sleeping.load()) futex_wake(&done);
+        if (once) {
+          last_gen = gen;
+          return;
+        }
+        w = r.word.load(std::memory_order_acquire);
       }
-      if (one_each) last_gen = gen;
-      if (done.fetch_add(1) + 1 == n && caller_sleeping.load()) futex_wake(&done);
-      w = claim.load(std::memory_order_acquire);
     }
   }
 
-  void worker(uint32_t seen) {  // seen: the generation before the thread's first loop
+  void worker(int self, uint32_t seen) {  // seen: the generation before the thread's first loop
     in_loop = true;  // a loop inside a chunk runs inline
     uint32_t last_gen = 0;
     for (;;) {
@@ -127,7 +154,7 @@ struct Pool {
       }
       seen = generation.load(std::memory_order_acquire);
       if (stop.load()) return;
-      participate(last_gen);
+      participate(self, last_gen);
     }
   }
 
@@ -139,8 +166,10 @@ struct Pool {
     for (auto& t : threads) t.join();
     threads.clear();
     stop.store(false);
+    ranges.reset(new Range[n]);
+    capacity = n;
     const uint32_t seen = generation.load();
-    for (int i = 0; i < n - 1; ++i) threads.emplace_back([this, seen] { worker(seen); });
+    for (int i = 1; i < n; ++i) threads.emplace_back([this, i, seen] { worker(i, seen); });
   }
 
   void run(int64_t b, int64_t e, int64_t grain, bool exact, int n, const std::function<void(int64_t, int64_t)>& f) {
@@ -151,7 +180,7 @@ struct Pool {
             : exact  ? grain
                      : (items + n * kChunksPerThread - 1) / (n * kChunksPerThread);
     chunk = std::max({chunk, grain, (items + kMaxChunks - 1) / kMaxChunks});
-    const uint64_t chunks = (items + chunk - 1) / chunk;
+    chunks = (items + chunk - 1) / chunk;
     fn = &f;
     begin = b;
     end = e;
@@ -159,11 +188,17 @@ struct Pool {
     failed.store(false);
     error = nullptr;
     const uint32_t gen = generation.load() + 1;
-    claim.store((static_cast<uint64_t>(gen) << 32) | (chunks << 16), std::memory_order_release);
-    generation.store(gen);
+    const int R = exact || one_each ? 1 : n;
+    for (int t = 0; t < capacity; ++t) {
+      const int64_t first = std::min<int64_t>(t, R) * chunks / R, last = std::min<int64_t>(t + 1, R) * chunks / R;
+      ranges[t].first = first;
+      ranges[t].word.store((static_cast<uint64_t>(gen) << 32) | static_cast<uint64_t>(last - first), std::memory_order_release);
+    }
+    num_ranges.store(R, std::memory_order_release);
+    generation.store(gen, std::memory_order_release);
     if (sleepers.load() > 0) futex_wake(&generation);
     uint32_t last_gen = 0;
-    participate(last_gen);
+    participate(0, last_gen);
     const auto finished = [&] { return done.load(std::memory_order_acquire) == chunks; };
     if (!spin_until(finished, spin.load())) {
       caller_sleeping.store(true);

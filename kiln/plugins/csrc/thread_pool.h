@@ -4,9 +4,10 @@
 // An OpenMP parallel region splits its loop statically and ends in a barrier, so a step of a few
 // hundred regions runs at the pace of its slowest thread at every one: on a shared machine a thread
 // descheduled for a time slice stalls them all, while the others spin and burn the CPU it needs.
-// Here a loop is cut into chunks that the caller and the pool's threads claim one at a time from
-// one atomic word, so the threads that run take the share of one that does not, and the caller
-// waits only for chunks already claimed, never for a thread to arrive. Waiters spin a bounded time
+// Here a loop is cut into chunks that the caller and the pool's threads claim one at a time, each
+// first from a contiguous range of its own, then from the others', so the threads that run take the
+// share of one that does not, and the caller waits only for chunks already claimed, never for a
+// thread to arrive. Waiters spin a bounded time
 // (a few tens of microseconds: the next loop of the same step starts that soon), then sleep on a
 // futex, giving the CPU to whoever needs it.
 #pragma once

@@ -45,7 +45,7 @@ def _weights(fmt, n, k, group_size=32, seed=0):
         q[0, :3] = torch.tensor([2.0 ** -9, -(2.0 ** -7), 448.0]).to(quant.FP8)  # subnormals and the max
         return gemm.pack(q), gemm.pack_scale(scale, n), 0, q.float() * scale
     q = torch.randint(-8, 8, (n, k), generator=g)
-    scale = torch.rand(n, k // group_size, generator=g) * 0.02 + 0.001
+    scale = (torch.rand(n, k // group_size, generator=g) * 0.02 + 0.001).half().float()  # as packed: float16
     packed, gs = gemm.pack_int4(q, scale, group_size)
     return packed, gs, group_size, q.float() * scale.repeat_interleave(group_size, dim=1)
 

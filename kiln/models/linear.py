@@ -185,7 +185,8 @@ def packed_lm_head(config: PretrainedConfig, weight: torch.Tensor, quantize: str
         if not g or k % g:
             raise ConfigError(f"an int4 lm_head needs a group size dividing hidden_size ({k}); "
                               f"use --quantize_lm_head int8")
-        scale = (w.view(n, -1, g).abs().amax(-1) / 7).clamp(min=1e-10)  # ModelOpt's int4 RTN: amax / 7
+        # ModelOpt's int4 RTN (amax / 7), at the float16 scale the packed copy keeps
+        scale = (w.view(n, -1, g).abs().amax(-1) / 7).clamp(min=1e-7).half().float()
         q = (w.view(n, -1, g) / scale[..., None]).round().clamp(-8, 7).view(n, -1)
         packed, scales = gemm.pack_int4(q, scale, g)
         return PackedLinear(packed, n, k, scales, group_size=g, out_float=True)

@@ -8,7 +8,7 @@ Within a panel, each stored row holds the k that one instruction of the native k
     and, 16 rows at a time, an AMX B tile;
   - int8: k quads, [panels, Kq / 4, 64] (Kq = K rounded up to 64): a `vpdpbusd` operand;
   - int4: k eights, [panels, K / 8, 64] bytes: one 32-bit word of nibbles per column and row;
-    group scales [K / g, panels * 16].
+    float16 group scales [K / g, panels * 16].
 Every kernel (float, bf16, int8-activation, AMX) reads the same packed copy, so engines hold each
 weight once.
 """
@@ -46,15 +46,18 @@ def pack_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [n, K] ints in [-8, 7] and scale [n, K / g] -> (uint8 [panels, K / 8, 64], float32 [K / g, panels * 16]).
+    """q [n, K] ints in [-8, 7] and scale [n, K / g] -> (uint8 [panels, K / 8, 64], float16 [K / g, panels * 16]).
 
     Column j's eight k 8r .. 8r + 7 make bytes 4j .. 4j + 3 of row r: byte e holds k = 8r + e in its
-    low nibble and k = 8r + 4 + e in its high one."""
+    low nibble and k = 8r + 4 + e in its high one. The scales are float16, as llama.cpp's q4_0 block
+    scales: at group 32 a float32 one would add a ninth to the bytes a batch-1 step streams."""
     n, K = q.shape
+    if scale.numel() and not bool(scale.abs().amax() <= torch.finfo(torch.float16).max):
+        raise ValueError(f"int4 group scales must fit float16 (|scale| <= 65504), got max {scale.abs().amax().item()}")
     u = _pad(q.to(torch.int8).view(torch.uint8) & 0xF, _round_up(n, PANEL), K)
     u = u.view(-1, PANEL, K // 8, 2, 4).permute(0, 2, 1, 3, 4)  # [panels, K / 8, 16, low/high, 4]
     packed = (u[..., 0, :] | (u[..., 1, :] << 4)).reshape(-1, K // 8, 4 * PANEL)
-    scales = _pad(scale.float(), _round_up(n, PANEL), scale.shape[1]).T
+    scales = _pad(scale.to(torch.float16), _round_up(n, PANEL), scale.shape[1]).T
     return packed.contiguous(), scales.contiguous()
 
 

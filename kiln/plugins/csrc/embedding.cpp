@@ -80,8 +80,8 @@ at::Tensor embedding_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_
 // Rows `ids` of a quantized packed [n, k] table, dequantized into dtype: an int8 one
 // (w = q * scale[row]) or an int4 one (w = q * scale[k / group_size, row]), the layouts gemm()
 // reads. A tied embedding so shares a quantized lm_head's copy.
-template <typename Out>
-void dequant_rows(const at::Tensor& packed, const float* scale, const int64_t* ids, Out* out, int64_t count,
+template <typename Out, typename Scale>
+void dequant_rows(const at::Tensor& packed, const Scale* scale, const int64_t* ids, Out* out, int64_t count,
                   int64_t K, int64_t group_size) {
   const int64_t panel_rows = packed.size(1), padded = packed.size(0) * kPanel;
   const bool int4 = packed.scalar_type() == at::kByte;
@@ -95,12 +95,12 @@ void dequant_rows(const at::Tensor& packed, const float* scale, const int64_t* i
         for (int64_t k = 0; k < K; ++k) {
           const uint8_t b = bytes[k / 8 * 4 * kPanel + k % 4];
           const int32_t q = (((k % 8 < 4 ? b : b >> 4) & 15) ^ 8) - 8;
-          dst[k] = static_cast<Out>(static_cast<float>(q) * scale[k / group_size * padded + row]);
+          dst[k] = static_cast<Out>(static_cast<float>(q) * static_cast<float>(scale[k / group_size * padded + row]));
         }
       } else {
         const int8_t* q = packed.const_data_ptr<int8_t>() + at;
         for (int64_t k = 0; k < K; ++k) {
-          dst[k] = static_cast<Out>(static_cast<float>(q[k / 4 * 4 * kPanel + k % 4]) * scale[row]);
+          dst[k] = static_cast<Out>(static_cast<float>(q[k / 4 * 4 * kPanel + k % 4]) * static_cast<float>(scale[row]));
         }
       }
     }
@@ -118,7 +118,8 @@ at::Tensor embedding_dequant_cpu(const at::Tensor& packed, const at::Tensor& sca
               packed.sizes());
   const int64_t padded = packed.size(0) * kPanel;
   TORCH_CHECK(n > 0 && n <= padded, op, "n = ", n, " rows do not fit ", packed.size(0), " panels");
-  const at::Tensor sc = scale.to(at::kFloat).contiguous();
+  // As gemm() reads them: an int4 table's group scales float16, an int8 one's float32.
+  const at::Tensor sc = scale.to(format == WeightFormat::Int4 ? at::kHalf : at::kFloat).contiguous();
   if (format == WeightFormat::Int4) {
     TORCH_CHECK(group_size > 0 && k % group_size == 0 && sc.numel() == k / group_size * padded, op,
                 "an int4 table needs scale [k / group_size, panels * 16] = [", group_size > 0 ? k / group_size : 0,
@@ -130,13 +131,19 @@ at::Tensor embedding_dequant_cpu(const at::Tensor& packed, const at::Tensor& sca
   const int64_t count = idc.numel();
   const int64_t* id = idc.const_data_ptr<int64_t>();
   at::Tensor out = at::empty(rows_shape(ids, k), packed.options().dtype(dtype));
-  const float* s = sc.const_data_ptr<float>();
-  switch (out_type_of(dtype)) {
-    case OutType::Float: dequant_rows(packed, s, id, out.mutable_data_ptr<float>(), count, k, group_size); break;
-    case OutType::BFloat16:
-      dequant_rows(packed, s, id, out.mutable_data_ptr<c10::BFloat16>(), count, k, group_size);
-      break;
-    case OutType::Half: dequant_rows(packed, s, id, out.mutable_data_ptr<c10::Half>(), count, k, group_size); break;
+  const auto rows = [&](const auto* s) {
+    switch (out_type_of(dtype)) {
+      case OutType::Float: dequant_rows(packed, s, id, out.mutable_data_ptr<float>(), count, k, group_size); break;
+      case OutType::BFloat16:
+        dequant_rows(packed, s, id, out.mutable_data_ptr<c10::BFloat16>(), count, k, group_size);
+        break;
+      case OutType::Half: dequant_rows(packed, s, id, out.mutable_data_ptr<c10::Half>(), count, k, group_size); break;
+    }
+  };
+  if (format == WeightFormat::Int4) {
+    rows(sc.const_data_ptr<c10::Half>());
+  } else {
+    rows(sc.const_data_ptr<float>());
   }
   return out;
 }

@@ -15,7 +15,7 @@
 //     (k quads, a vpdpbusd operand), with scale [panels * 16]: w = q * scale (W8A16, SmoothQuant);
 //   uint8 (int4) [panels, K / 8, 64]: bytes 4j .. 4j + 3 of row r hold column 16p + j's eight k
 //     8r .. 8r + 7, byte e's low nibble k = 8r + e and its high nibble k = 8r + 4 + e, two's
-//     complement, with scale [K / group_size, panels * 16]: w = q * scale[k / group_size];
+//     complement, with float16 scale [K / group_size, panels * 16]: w = q * scale[k / group_size];
 //   fp8 with scale [panels * 16]: w = fp8 * scale (FP8, W4A8).
 // x is float32, bfloat16 or float16; the result is x's dtype (float32 with out_float), computed in
 // float32. bias, if given, has n values.
@@ -281,7 +281,8 @@ at::Tensor dense_weight(const at::Tensor& w, const GemmParams& p, at::ScalarType
       const at::Tensor b = w.view({P, R, kPanel, 4}).to(at::kInt);
       const at::Tensor lo = ((b & 15) ^ 8) - 8, hi = ((at::bitwise_right_shift(b, 4) & 15) ^ 8) - 8;
       const at::Tensor q = at::cat({lo, hi}, -1).permute({0, 2, 1, 3}).reshape({P * kPanel, R * 8});
-      const at::Tensor gs = at::from_blob(const_cast<float*>(p.group_scale), {p.K >> p.group_shift, P * kPanel}, at::kFloat);
+      const at::Tensor gs =
+          at::from_blob(const_cast<uint16_t*>(p.group_scale), {p.K >> p.group_shift, P * kPanel}, at::kHalf).to(at::kFloat);
       d = (q.to(at::kFloat) * gs.t().repeat_interleave(int64_t{1} << p.group_shift, 1)).to(dtype);
       break;
     }
@@ -333,14 +334,16 @@ GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::opt
   GemmParams& p = p_;
   const bool quantized = format == WeightFormat::Int8 || format == WeightFormat::Fp8E4M3 || format == WeightFormat::Int4;
   TORCH_CHECK(scale.has_value() || !quantized, kOp, weight.scalar_type(), " weights need a scale");
-  if (scale.has_value()) scale_ = scale->to(at::kFloat).contiguous();
+  // int4 group scales are float16 (pack_int4 writes them so; float32 ones, from engines built before,
+  // are converted here on every call), the others float32.
+  if (scale.has_value()) scale_ = scale->to(format == WeightFormat::Int4 ? at::kHalf : at::kFloat).contiguous();
   if (format == WeightFormat::Int4) {
     TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0 && K % group_size == 0, kOp,
                 "group_size must be a power of two >= 32 dividing K = ", K, ", got ", group_size);
     TORCH_CHECK(scale_.dim() == 2 && scale_.size(0) == K / group_size && scale_.size(1) == padded, kOp,
                 "int4 scale must be [K / group_size, panels * 16] = [", K / group_size, ", ", padded, "], got ",
                 scale_.sizes());
-    p.group_scale = scale_.const_data_ptr<float>();
+    p.group_scale = reinterpret_cast<const uint16_t*>(scale_.const_data_ptr<at::Half>());
     while ((int64_t{1} << p.group_shift) < group_size) ++p.group_shift;
   } else if (scale_.defined()) {
     TORCH_CHECK(scale_.numel() == padded, kOp, "scale must have panels * 16 = ", padded, " values, got ",

@@ -71,7 +71,7 @@ struct GemmParams {
   WeightFormat format;
   int64_t panel_rows;        // stored rows per panel (K / k per row, padded)
   const float* col_scale;    // [panels * 16] or nullptr: multiplies each output column
-  const float* group_scale;  // Int4: [K / group_size, panels * 16]
+  const uint16_t* group_scale;  // Int4: [K / group_size, panels * 16] float16 bits (as q4_0's block scales)
   int64_t group_shift;       // log2(group_size)
   const float* bias;         // [n] or nullptr
   void* out;                 // [M, n], row stride n

@@ -164,7 +164,8 @@ inline const uint16_t* bf16_panel(const kiln::GemmParams& p, int64_t i, uint16_t
       const int64_t stride = round_up(p.n, P);
       for (; k < p.K; k += 8) {
         const __m512i v = _mm512_loadu_si512(w + k / 2 * P);
-        const __m512 s = _mm512_loadu_ps(p.group_scale + (k >> p.group_shift) * stride + i * P);
+        const __m512 s = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.group_scale + (k >> p.group_shift) * stride + i * P)));
         store_pairs(out + k * P, _mm512_mul_ps(int4_lane<0>(v), s), _mm512_mul_ps(int4_lane<1>(v), s));
         store_pairs(out + (k + 2) * P, _mm512_mul_ps(int4_lane<2>(v), s), _mm512_mul_ps(int4_lane<3>(v), s));
         store_pairs(out + (k + 4) * P, _mm512_mul_ps(int4_lane<4>(v), s), _mm512_mul_ps(int4_lane<5>(v), s));

@@ -51,6 +51,8 @@ inline float column_factor(const GemmParams& p) {
 
 inline int64_t padded_columns(const GemmParams& p) { return round_up(p.n, kPanel); }
 
+inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
 inline void store_value(const GemmParams& p, int64_t at, float y) {
   switch (p.out_type) {
     case OutType::Float: static_cast<float*>(p.out)[at] = y; break;
@@ -65,6 +67,12 @@ inline void store_value(const GemmParams& p, int64_t at, float y) {
 // sum reads ~17; asking for the line 512 bytes ahead, once per line of a panel, made the batch-1
 // layer GEMMs faster in every paired run (bf16 +2-40% in 8 of 8, int8 +11-36% in 3 of 3).
 constexpr int64_t kPrefetchBytes = 512;
+
+// 16 float16 group scales as two registers of floats.
+inline void half16(const uint16_t* h, __m256& s0, __m256& s1) {
+  s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)));
+}
 
 // At stored row r of a panel whose rows are RowBytes wide (<= 64): one prefetch per line.
 template <int64_t RowBytes>
@@ -168,14 +176,11 @@ inline __m256 int4_lane(__m256i v) {
 struct Int4Panel {
   static constexpr int kK = 8;
   const uint8_t* w;
-  const float* scale;  // this panel's column 0 of group_scale
+  const uint16_t* scale;  // this panel's column 0 of group_scale
   int64_t scale_stride;
   int64_t group_shift;
 
-  void group_scale(int64_t group, __m256& s0, __m256& s1) const {
-    s0 = _mm256_loadu_ps(scale + group * scale_stride);
-    s1 = _mm256_loadu_ps(scale + group * scale_stride + 8);
-  }
+  void group_scale(int64_t group, __m256& s0, __m256& s1) const { half16(scale + group * scale_stride, s0, s1); }
   template <int t>
   void at(int64_t r, __m256& a, __m256& b) const {
     const __m256i* row = reinterpret_cast<const __m256i*>(w + r * 4 * kPanel);
@@ -521,9 +526,8 @@ void int8_rows(const GemmParams& p, const uint8_t* w, int64_t row0, int64_t pane
     for (int j = 0; j < NP; ++j) {
       __m256 g0 = _mm256_set1_ps(1.0f), g1 = g0;
       if constexpr (kInt4) {
-        const float* gs = p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + (panel + j) * kPanel;
-        g0 = _mm256_loadu_ps(gs);
-        g1 = _mm256_loadu_ps(gs + 8);
+        const uint16_t* gs = p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + (panel + j) * kPanel;
+        half16(gs, g0, g1);
         // The next panel group's scales, as gemm_avx512.cpp's vnni_rows does; the same GEMVs on this
         // kernel, one thread on Zen 4: 15.1 -> 15.9 GB/s (medians of 4 pairs, all ahead).
         _mm_prefetch(reinterpret_cast<const char*>(gs + NP * kPanel), _MM_HINT_T0);
@@ -598,7 +602,7 @@ float weight_at(const GemmParams& p, int64_t panel, int64_t k, int64_t j) {
     }
     case WeightFormat::Int4: {
       const auto* w = static_cast<const uint8_t*>(p.w) + panel * p.panel_rows * 4 * kPanel;
-      const float s = p.group_scale[(k >> p.group_shift) * padded_columns(p) + panel * kPanel + j];
+      const float s = half_value(p.group_scale[(k >> p.group_shift) * padded_columns(p) + panel * kPanel + j]);
       return static_cast<float>(int4_at(w, k, j)) * s;
     }
   }
@@ -641,7 +645,7 @@ void run_int8(const GemmParams& p, int64_t begin, int64_t end) {
             const int32_t q = int4 ? int4_at(w, k, j) : reinterpret_cast<const int8_t*>(w)[(k / 4 * kPanel + j) * 4 + k % 4];
             sum += q * p.xq[m * p.ldxq + k];
           }
-          const float g = int4 ? p.group_scale[((blk * kActBlock) >> p.group_shift) * padded_columns(p) + col0 + j] : 1.0f;
+          const float g = int4 ? half_value(p.group_scale[((blk * kActBlock) >> p.group_shift) * padded_columns(p) + col0 + j]) : 1.0f;
           acc += static_cast<float>(sum) * (p.xq_scale[m * ls + blk] * g);
         }
         store_value(p, m * p.n + col0 + j, acc * s + bias);

@@ -265,6 +265,19 @@ def test_int4_bad_group_size():
         gemm.gemm(torch.randn(1, 64), packed, scale, None, 32, 64)
 
 
+def test_int4_scales_are_float16_and_checked():
+    """Packed int4 scales are float16 (as q4_0's); a float32 one (an older engine's) gives the same
+    result; scales float16 cannot hold are refused at packing."""
+    packed, scale, g, w = _weights("int4", 32, 64)
+    assert scale.dtype == torch.float16
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(gemm.gemm(x, packed, scale.float(), None, 32, g), gemm.gemm(x, packed, scale, None, 32, g))
+    q = torch.zeros(32, 64)
+    for bad in (float("inf"), 1e6, float("nan")):
+        with pytest.raises(ValueError, match="int4 group scales must fit float16"):
+            gemm.pack_int4(q, torch.full((32, 2), bad), 32)
+
+
 def _run_capped(env, script):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, **env})

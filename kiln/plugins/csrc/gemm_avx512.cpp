@@ -236,7 +236,7 @@ void vnni_rows(const GemmParams& p, const uint8_t* const (&w)[NP], int64_t row0,
       __m512 g = _mm512_set1_ps(1.0f);
       if constexpr (kInt4) {
         const uint16_t* scales = p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + panel * kPanel;
-        g = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + j * kPanel)));
+        g = half_row(scales + j * kPanel);
         // The group scales are a stream of their own (32 bytes per panel and group, rows n * 2 bytes
         // apart) that no weight prefetch covers: fetch the next panel group's. SmolLM-135M's int4 GEMVs
         // alternated on Zen 4, float32 scales then: one thread 15.6 -> 16.9 GB/s, two 22.7 -> 23.5.

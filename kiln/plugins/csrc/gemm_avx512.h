@@ -106,6 +106,10 @@ inline void store_pairs(uint16_t* out, __m512 even, __m512 odd) {
   _mm512_storeu_si512(out, _mm512_permutexvar_epi16(interleave, both));
 }
 
+inline __m512 half_row(const uint16_t* h) {  // 16 float16 as floats
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
 inline __m512 fp8_row(const uint8_t* w) {  // 16 fp8 e4m3 as floats, times 2^-8 (exact)
   const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
@@ -144,7 +148,7 @@ inline const uint16_t* bf16_panel(const kiln::GemmParams& p, int64_t i, uint16_t
         const int64_t at = (i * p.panel_rows + kk) * P;
         if (p.format == WeightFormat::Float) return _mm512_loadu_ps(static_cast<const float*>(p.w) + at);
         if (p.format == WeightFormat::Half)
-          return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p.w) + at)));
+          return half_row(static_cast<const uint16_t*>(p.w) + at);
         return fp8_row(static_cast<const uint8_t*>(p.w) + at);
       };
       for (; k < p.K; k += 2) store_pairs(out + k * P, row(k), row(k + 1));
@@ -164,8 +168,7 @@ inline const uint16_t* bf16_panel(const kiln::GemmParams& p, int64_t i, uint16_t
       const int64_t stride = round_up(p.n, P);
       for (; k < p.K; k += 8) {
         const __m512i v = _mm512_loadu_si512(w + k / 2 * P);
-        const __m512 s = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.group_scale + (k >> p.group_shift) * stride + i * P)));
+        const __m512 s = half_row(p.group_scale + (k >> p.group_shift) * stride + i * P);
         store_pairs(out + k * P, _mm512_mul_ps(int4_lane<0>(v), s), _mm512_mul_ps(int4_lane<1>(v), s));
         store_pairs(out + (k + 2) * P, _mm512_mul_ps(int4_lane<2>(v), s), _mm512_mul_ps(int4_lane<3>(v), s));
         store_pairs(out + (k + 4) * P, _mm512_mul_ps(int4_lane<4>(v), s), _mm512_mul_ps(int4_lane<5>(v), s));

@@ -400,7 +400,7 @@ class BuildConfig:
     # and keep the winners; timing_cache: a JSON file of measurements reused across builds.
     tactic_timing: bool = True
     timing_cache: str | None = None
-    # int8 and int4 weights' GEMMs may quantize activations to int8 (per 32 k) where that times
+    # int8 and int4 weights' GEMMs may quantize activations to int8 (per 128 k, or int4's group) where that times
     # faster, as llama.cpp's and ORT GenAI's int4/int8 CPU paths do by default: batch-1 decode then
     # reads int4 weights at ~1.6x the float-activation kernel's speed (AVX2). On by default: its
     # measured perplexity cost is within a tenth of a percent (benchmarks/quant.py --int8_activations).

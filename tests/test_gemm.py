@@ -50,10 +50,18 @@ def _weights(fmt, n, k, group_size=32, seed=0):
     return packed, gs, group_size, q.float() * scale.repeat_interleave(group_size, dim=1)
 
 
-def int8_activations(x, k):
-    """The int8-activation kernels' x: per 32 k, scale max|x| / 127, round half to even."""
-    m, kp = x.shape[0], -(-k // 32) * 32
-    blocks = torch.nn.functional.pad(x.float(), (0, kp - k)).view(m, -1, 32)
+ACT_BLOCK = 128  # gemm.h's kMaxActBlock
+
+
+def act_block(fmt, group_size):
+    """k per activation scale: 128 for int8 weights, an int4 group up to that."""
+    return min(group_size, ACT_BLOCK) if fmt == "int4" else ACT_BLOCK
+
+
+def int8_activations(x, k, block):
+    """The int8-activation kernels' x: per `block` k, scale max|x| / 127, round half to even."""
+    m, kp = x.shape[0], -(-k // block) * block
+    blocks = torch.nn.functional.pad(x.float(), (0, kp - k)).view(m, -1, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # a true division
     return (torch.round(blocks * inv) * (amax / 127.0)).view(m, kp)[:, :k]
@@ -72,14 +80,14 @@ def _require(name):
         pytest.skip(f"{name}: this CPU (or KILN_CPU_ISA / ATEN_CPU_CAPABILITY) lacks {flag}")
 
 
-def _check(fmt, kernel, n, k, rows, out_float=True, bias=True):
-    packed, scale, group_size, dense = _weights(fmt, n, k)
+def _check(fmt, kernel, n, k, rows, out_float=True, bias=True, group_size=32):
+    packed, scale, group_size, dense = _weights(fmt, n, k, group_size)
     torch.manual_seed(n * k)
     b = torch.randn(n) if bias else None
     for m in rows:
         bf16_x = KERNELS[kernel] in ("avx512_bf16", "amx_bf16") or m % 2 == 0
         x = torch.randn(m, k).to(torch.bfloat16 if bf16_x else torch.float32)
-        xe = int8_activations(x, k) if kernel in INT8_ACT else x.float()
+        xe = int8_activations(x, k, act_block(fmt, group_size)) if kernel in INT8_ACT else x.float()
         want = xe @ dense.T + (0 if b is None else b)
         got = gemm.gemm(x, packed, scale, b, n, group_size, out_float, (1 << 40, kernel_id(kernel)))
         assert got.shape == (m, n) and got.dtype == (torch.float32 if out_float else x.dtype)
@@ -109,12 +117,16 @@ def test_float_kernels_match_reference(kernel, fmt, n, k):
 
 @pytest.mark.parametrize("kernel", INT8_ACT)
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("n,k", [(40, 64), (200, 96), (24, 40)])
-def test_int8_activation_kernels_match_reference(kernel, fmt, n, k):
+# (24, 320): activation blocks of 128, 128 and 64 k (int8), five groups of 64 (int4); (16, 512) at
+# group 256: two activation blocks per group
+@pytest.mark.parametrize("n,k,group_size", [(40, 64, 32), (200, 96, 32), (24, 40, 32), (24, 320, 64), (16, 512, 256)])
+def test_int8_activation_kernels_match_reference(kernel, fmt, n, k, group_size):
     if fmt == "int4" and k % 32:
         pytest.skip("int4 needs K divisible by its group size")
+    if fmt == "int8" and group_size == 256:
+        pytest.skip("int8 weights have no groups")
     _require(kernel)
-    _check(fmt, kernel, n, k, ROWS if kernel != "portable_int8" else [1, 5, 9])
+    _check(fmt, kernel, n, k, ROWS if kernel != "portable_int8" else [1, 5, 9], group_size=group_size)
 
 
 @pytest.mark.parametrize("kernel", ["avx2", "avx512_bf16", "amx_bf16", "aten", "avx512_vnni"])
@@ -133,7 +145,7 @@ def test_gemm_swiglu_matches_reference(kernel, fmt, n, k):
     h = n // 2
     for m in (1, 5, 16, 33):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
-        xe = int8_activations(x, k) if kernel in INT8_ACT else x.float()
+        xe = int8_activations(x, k, act_block(fmt, group_size)) if kernel in INT8_ACT else x.float()
         y = xe @ dense.T + b
         g, u = y[:, :h], y[:, h:]
         want = torch.nn.functional.silu(g) * u
@@ -192,7 +204,7 @@ def test_tactics_dispatch_by_token_count():
     for m, int8 in ((1, True), (2, True), (3, False), (9, False)):
         x = torch.randn(m, 64)
         got = gemm.gemm(x, packed, scale, None, 40, 0, True, tactics)
-        want = (int8_activations(x, 64) if int8 else x) @ dense.T
+        want = (int8_activations(x, 64, ACT_BLOCK) if int8 else x) @ dense.T
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="tactics must be \\(m_max, kernel\\) pairs"):
         gemm.gemm(x, packed, scale, None, 40, 0, True, (4,))
@@ -322,7 +334,7 @@ def test_capped_isa_falls_back_to_avx2():
         "    packed, scale, g, dense = t._weights(fmt, 40, 64)\n"
         "    x = torch.randn(5, 64).bfloat16()\n"
         "    got = gemm.gemm(x, packed, scale, None, 40, g, True, (1 << 40, t.kernel_id(kernel)))\n"
-        "    xe = t.int8_activations(x, 64) if kernel == 'avx512_vnni' else x.float()\n"
+        "    xe = t.int8_activations(x, 64, t.act_block(fmt, g)) if kernel == 'avx512_vnni' else x.float()\n"
         "    torch.testing.assert_close(got, xe @ dense.T, rtol=1e-5, atol=1e-5)\n")
     err = _run_capped({"KILN_CPU_ISA": "avx2"}, script).stderr
     assert "running 'avx2' instead" in err and "running 'avx2_int8' instead" in err, err[-2000:]

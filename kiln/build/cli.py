@@ -42,7 +42,7 @@ BUILD_OPTIONS = [
                  help="JSON file of kernel timings, read and extended by the build: a rebuild on the same "
                       "machine, library and thread count reuses the measurements."),
     click.option("--int8_activations/--no_int8_activations", default=True, show_default=True,
-                 help="Let int8/int4 weights' GEMMs quantize activations to int8 (one scale per 32 k) where "
+                 help="Let int8/int4 weights' GEMMs quantize activations to int8 (one scale per 128 k, or per int4 group) where "
                       "that times faster, as llama.cpp and ORT GenAI do: faster small-batch decode, slightly "
                       "different arithmetic (benchmarks/quant.py reports the perplexity cost). "
                       "--no_int8_activations: W8A16/W4A16 as specified."),

@@ -21,8 +21,10 @@ constexpr int64_t kBf16PadK = 32, kInt8PadK = 64;
 // Up to this many rows the float kernels decode weights in the inner loop (one pass over them,
 // bandwidth bound); past it, each panel is decoded once into a scratch that every row block reuses.
 constexpr int64_t kDirectRows = 6;
-// Activations of the integer kernels are quantized in blocks of this many k (one scale per block).
-constexpr int64_t kActBlock = 32;
+// Activations of the integer kernels are quantized in blocks of k with one scale each: kMaxActBlock
+// k for int8 weights (one scale per column), int4 ones' group size up to that. The kernels turn
+// their integer sums into float once per block (see act_block_for in gemm.cpp).
+constexpr int64_t kMaxActBlock = 128;
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -64,8 +66,9 @@ struct GemmParams {
   int64_t ldxb;
   const int8_t* xq;    // int8 kernels: [M, ldxq] int8, k past K zero
   int64_t ldxq;
-  const float* xq_scale;    // [M, ldxq / kActBlock]: x[m, k] ~ xq[m, k] * xq_scale[m, k / kActBlock]
-  const int32_t* xq_comp;   // [M, ldxq / kActBlock]: offset * sum of the block's xq (see the kernels)
+  int64_t act_block;        // k per activation block: a power of two, and an int4 group or a whole number of them
+  const float* xq_scale;    // [M, ldxq / act_block]: x[m, k] ~ xq[m, k] * xq_scale[m, k / act_block]
+  const int32_t* xq_comp;   // [M, ldxq / act_block]: offset * sum of the block's xq (see the kernels)
   int64_t M, K;
   const void* w;  // the packed panels (gemm.cpp)
   WeightFormat format;
@@ -92,8 +95,8 @@ using GemmPanelsFn = void (*)(const GemmParams&, int64_t panel_begin, int64_t pa
   namespace CAP {                                                                                  \
   void gemm_panels(const GemmParams& p, int64_t panel_begin, int64_t panel_end, void* scratch);    \
   void gemm_int8_panels(const GemmParams& p, int64_t panel_begin, int64_t panel_end, void* scratch); \
-  void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int8_t* xq, \
-                     int64_t ldxq, float* scale, int32_t* comp);                                   \
+  void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block, \
+                     int8_t* xq, int64_t ldxq, float* scale, int32_t* comp);                       \
   }
 
 KILN_DECLARE_GEMM_KERNEL(DEFAULT)

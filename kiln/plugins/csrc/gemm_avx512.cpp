@@ -9,7 +9,7 @@
 //    as the AVX2 kernel), with a software prefetch per line.
 //  - More rows, or other formats: each pair of panels is decoded once (bf16 weights need none) and
 //    register tiles of 8 rows x 2 panels run every row block over it, from L1/L2.
-// gemm_vnni_panels: x quantized to int8 (p.xq, blocks of kActBlock k), int8 or int4 weights. The
+// gemm_vnni_panels: x quantized to int8 (p.xq, blocks of p.act_block k), int8 or int4 weights. The
 // unsigned operand of vpdpbusd is the weight plus an offset (int8: w ^ 0x80 = w + 128; int4:
 // q ^ 8 = q + 8), so one instruction multiplies 16 columns by 4 k; the offset's excess,
 // offset * sum(xq) per block, comes precomputed with x (p.xq_comp).
@@ -198,20 +198,22 @@ inline __m512i x_quad(const int8_t* x) {
 // Rows row0 .. row0 + MR of NP panels (stored rows of 64 bytes: int8 4 k, int4 8 k of 16 columns).
 template <int MR, int NP, bool kInt4>
 void vnni_rows(const GemmParams& p, const uint8_t* const (&w)[NP], int64_t row0, int64_t panel) {
-  constexpr int64_t kRowK = kInt4 ? kInt4K : kQuadK, kRowsPerBlock = kActBlock / kRowK;
-  const int64_t blocks = round_up(p.K, kActBlock) / kActBlock, ls = p.ldxq / kActBlock, stride = round_up(p.n, kPanel);
+  constexpr int64_t kRowK = kInt4 ? kInt4K : kQuadK;
+  const int64_t rows = round_up(p.K, kRowK) / kRowK, span_rows = p.act_block / kRowK;
+  const int64_t ls = p.ldxq / p.act_block, stride = round_up(p.n, kPanel);
   const int64_t panel_bytes = p.panel_rows * 64, skip = past_group(w, panel_bytes);
   __m512 acc[NP][MR];
   for (int j = 0; j < NP; ++j)
     for (int m = 0; m < MR; ++m) acc[j][m] = _mm512_setzero_ps();
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(kInt4 ? 0x88 : 0x80)), low = _mm512_set1_epi8(0x0f);
-  for (int64_t blk = 0; blk < blocks; ++blk) {
+  for (int64_t r0 = 0; r0 < rows; r0 += span_rows) {
+    const int64_t r1 = std::min(rows, r0 + span_rows), k0 = r0 * kRowK, blk = k0 / p.act_block;
     __m512i sum[NP][MR];
     for (int j = 0; j < NP; ++j)
       for (int m = 0; m < MR; ++m) sum[j][m] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int64_t rr = 0; rr < kRowsPerBlock; ++rr) {
-      const int64_t r = blk * kRowsPerBlock + rr, k = r * kRowK;
+#pragma GCC unroll 4
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t k = r * kRowK;
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j) {
         const uint8_t* row = w[j] + r * 4 * kPanel;
@@ -235,7 +237,7 @@ void vnni_rows(const GemmParams& p, const uint8_t* const (&w)[NP], int64_t row0,
     for (int j = 0; j < NP; ++j) {
       __m512 g = _mm512_set1_ps(1.0f);
       if constexpr (kInt4) {
-        const uint16_t* scales = p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + panel * kPanel;
+        const uint16_t* scales = p.group_scale + (k0 >> p.group_shift) * stride + panel * kPanel;
         g = half_row(scales + j * kPanel);
         // The group scales are a stream of their own (32 bytes per panel and group, rows n * 2 bytes
         // apart) that no weight prefetch covers: fetch the next panel group's. SmolLM-135M's int4 GEMVs

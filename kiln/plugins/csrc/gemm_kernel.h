@@ -14,7 +14,7 @@
 //    - M > kDirectRows (prefill, large batches): each panel is decoded once into a float scratch
 //      (16 x K, L1/L2 resident) and a 6 x 16 register tile of FMAs runs every row block over it.
 //  - int8 activations (gemm_int8_panels; int8 and int4 weights): x quantized to int8 in blocks of
-//    kActBlock k (quantize_rows, once per call), integer dot products per block, each block's sum
+//    act_block k (quantize_rows, once per call), integer dot products per block, each block's sum
 //    scaled into a float accumulator. On AVX2, vpmaddubsw (u8 x s8 -> s16 pairs) + vpmaddwd: int8
 //    weights go through it as |w| and x with w's sign (exact: |w| <= 128, |x| <= 127, no s16
 //    saturation), int4 ones as q + 8 in [0, 15], whose excess 8 * sum(x) is subtracted per block.
@@ -470,25 +470,26 @@ inline __m256i dot4(__m256i a, __m256i b) {
 }
 
 // Rows row0 .. row0 + MR of NP consecutive panels from `panel` on (w: the first one's weights):
-// per kActBlock k, int32 sums of 8 columns per register, then acc += float(sum - comp) * scale,
+// per activation block, int32 sums of 8 columns per register, then acc += float(sum - comp) * scale,
 // scale = x's block scale (times int4's group scale). NP > 1 reads the panels as NP streams at
 // once, for a single row, where one stream leaves DRAM bandwidth unused (see direct).
 template <int MR, bool kInt4, int NP = 1>
 void int8_rows(const GemmParams& p, const uint8_t* w, int64_t row0, int64_t panel) {
-  const int64_t blocks = round_up(p.K, kActBlock) / kActBlock, ls = p.ldxq / kActBlock;
-  const int64_t stride = padded_columns(p), panel_bytes = p.panel_rows * 4 * kPanel;
   // int8: a stored row is 4 k of 16 columns (64 bytes); int4: 8 k of 16 columns (64 bytes).
-  constexpr int64_t kRowK = kInt4 ? kInt4K : kQuadK, kRowsPerBlock = kActBlock / kRowK;
+  constexpr int64_t kRowK = kInt4 ? kInt4K : kQuadK;
+  const int64_t rows = round_up(p.K, kRowK) / kRowK, block_rows = p.act_block / kRowK, ls = p.ldxq / p.act_block;
+  const int64_t stride = padded_columns(p), panel_bytes = p.panel_rows * 4 * kPanel;
   __m256 acc[NP][MR][2];
   for (int j = 0; j < NP; ++j)
     for (int m = 0; m < MR; ++m) acc[j][m][0] = acc[j][m][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(static_cast<char>(0x88));
-  for (int64_t blk = 0; blk < blocks; ++blk) {
+  for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
+    const int64_t r1 = std::min(rows, r0 + block_rows), k0 = r0 * kRowK, blk = k0 / p.act_block;
     __m256i sum[NP][MR][2];
     for (int j = 0; j < NP; ++j)
       for (int m = 0; m < MR; ++m) sum[j][m][0] = sum[j][m][1] = _mm256_setzero_si256();
-    for (int64_t rr = 0; rr < kRowsPerBlock; ++rr) {
-      const int64_t r = blk * kRowsPerBlock + rr, k = r * kRowK;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t k = r * kRowK;
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j) {
         const __m256i* row = reinterpret_cast<const __m256i*>(w + j * panel_bytes + r * 4 * kPanel);
@@ -525,7 +526,7 @@ void int8_rows(const GemmParams& p, const uint8_t* w, int64_t row0, int64_t pane
     for (int j = 0; j < NP; ++j) {
       __m256 g0 = _mm256_set1_ps(1.0f), g1 = g0;
       if constexpr (kInt4) {
-        const uint16_t* gs = p.group_scale + ((blk * kActBlock) >> p.group_shift) * stride + (panel + j) * kPanel;
+        const uint16_t* gs = p.group_scale + (k0 >> p.group_shift) * stride + (panel + j) * kPanel;
         half16(gs, g0, g1);
         // The next panel group's scales, as gemm_avx512.cpp's vnni_rows does; the same GEMVs on this
         // kernel, one thread on Zen 4: 15.1 -> 15.9 GB/s (medians of 4 pairs, all ahead).
@@ -628,7 +629,7 @@ void run(const GemmParams& p, int64_t begin, int64_t end, float* scratch) {
 
 // The int8-activation arithmetic in plain C++: exact integer sums per block, as the vector kernels.
 void run_int8(const GemmParams& p, int64_t begin, int64_t end) {
-  const int64_t blocks = round_up(p.K, kActBlock) / kActBlock, ls = p.ldxq / kActBlock;
+  const int64_t B = p.act_block, ls = p.ldxq / B;
   const bool int4 = p.format == WeightFormat::Int4;
   for (int64_t panel = begin; panel < end; ++panel) {
     const int64_t col0 = panel * kPanel, cols = std::min(kPanel, p.n - col0);
@@ -638,13 +639,13 @@ void run_int8(const GemmParams& p, int64_t begin, int64_t end) {
       const float bias = p.bias != nullptr ? p.bias[col0 + j] : 0.0f;
       for (int64_t m = 0; m < p.M; ++m) {
         float acc = 0.0f;
-        for (int64_t blk = 0; blk < blocks; ++blk) {
+        for (int64_t blk = 0; blk * B < p.K; ++blk) {
           int32_t sum = 0;
-          for (int64_t k = blk * kActBlock; k < std::min(p.K, (blk + 1) * kActBlock); ++k) {
+          for (int64_t k = blk * B; k < std::min(p.K, (blk + 1) * B); ++k) {
             const int32_t q = int4 ? int4_at(w, k, j) : reinterpret_cast<const int8_t*>(w)[(k / 4 * kPanel + j) * 4 + k % 4];
             sum += q * p.xq[m * p.ldxq + k];
           }
-          const float g = int4 ? half_value(p.group_scale[((blk * kActBlock) >> p.group_shift) * padded_columns(p) + col0 + j]) : 1.0f;
+          const float g = int4 ? half_value(p.group_scale[((blk * B) >> p.group_shift) * padded_columns(p) + col0 + j]) : 1.0f;
           acc += static_cast<float>(sum) * (p.xq_scale[m * ls + blk] * g);
         }
         store_value(p, m * p.n + col0 + j, acc * s + bias);
@@ -665,22 +666,22 @@ void gemm_int8_panels(const GemmParams& p, int64_t panel_begin, int64_t panel_en
   run_int8(p, panel_begin, panel_end);
 }
 
-// x [M, K] (row stride ldx) -> xq [M, ldxq] int8 (zero past K), per kActBlock k one scale
+// x [M, K] (row stride ldx) -> xq [M, ldxq] int8 (zero past K), per `block` k one scale
 // (block max / 127, so |xq| <= 127) and comp = offset * the block's sum of xq: a kernel that reads
 // the weights as w + offset subtracts it.
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int8_t* xq, int64_t ldxq,
-                   float* scale, int32_t* comp) {
-  const int64_t ls = ldxq / kActBlock;
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block, int8_t* xq,
+                   int64_t ldxq, float* scale, int32_t* comp) {
+  const int64_t ls = ldxq / block;
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * ldx;
     int8_t* qr = xq + m * ldxq;
     for (int64_t blk = 0; blk < ls; ++blk) {
-      const int64_t k0 = blk * kActBlock, k1 = std::min(K, k0 + kActBlock);
+      const int64_t k0 = blk * block, k1 = std::min(K, k0 + block);
       float amax = 0.0f;
       for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       int32_t sum = 0;
-      for (int64_t k = k0; k < k0 + kActBlock; ++k) {
+      for (int64_t k = k0; k < k0 + block; ++k) {
         const int32_t q = k < k1 ? static_cast<int32_t>(std::nearbyint(xr[k] * inv)) : 0;
         qr[k] = static_cast<int8_t>(q);
         sum += q;

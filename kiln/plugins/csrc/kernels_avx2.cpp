@@ -43,9 +43,9 @@ namespace kiln {
 namespace AVX2 {
 void gemm_panels(const GemmParams& p, int64_t b, int64_t e, void* s) { DEFAULT::gemm_panels(p, b, e, s); }
 void gemm_int8_panels(const GemmParams& p, int64_t b, int64_t e, void* s) { DEFAULT::gemm_int8_panels(p, b, e, s); }
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int8_t* xq, int64_t ldxq,
-                   float* scale, int32_t* comp) {
-  DEFAULT::quantize_rows(x, M, K, ldx, offset, xq, ldxq, scale, comp);
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block, int8_t* xq,
+                   int64_t ldxq, float* scale, int32_t* comp) {
+  DEFAULT::quantize_rows(x, M, K, ldx, offset, block, xq, ldxq, scale, comp);
 }
 }  // namespace AVX2
 }  // namespace kiln

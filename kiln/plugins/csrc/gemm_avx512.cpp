@@ -329,6 +329,39 @@ void vnni_run(const GemmParams& p, int64_t begin, int64_t end, uint8_t* scratch)
   }
 }
 
+// 16 values of x from `at` (float32 or bf16 bits), the lanes past `mask` zero.
+inline __m512 load16(const float* at, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, at); }
+inline __m512 load16(const uint16_t* at, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, at)), 16));
+}
+
+template <typename T>
+void quantize(const T* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block, int8_t* xq, int64_t ldxq,
+              float* scale, int32_t* comp) {
+  const int64_t ls = ldxq / block;
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = x + m * ldx;
+    for (int64_t blk = 0; blk < ls; ++blk) {
+      const int64_t k0 = blk * block, n = std::clamp<int64_t>(K - k0, 0, block);
+      auto mask = [&](int64_t i) -> __mmask16 { return i + 16 <= n ? 0xffff : i < n ? (1u << (n - i)) - 1 : 0; };
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, load16(xr + k0 + i, mask(i))));
+      const float a = _mm512_reduce_max_ps(amax);
+      const __m512 inv = _mm512_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t i = 0; i < block; i += 16) {
+        // round half to even (the default MXCSR mode), as std::nearbyint in gemm_kernel.h's quantize_rows
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xr + k0 + i, mask(i)), inv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * ldxq + k0 + i), _mm512_cvtepi32_epi8(q));
+        sum = _mm512_add_epi32(sum, q);
+      }
+      scale[m * ls + blk] = a / 127.0f;
+      comp[m * ls + blk] = offset * _mm512_reduce_add_epi32(sum);
+    }
+  }
+}
+
 }  // namespace
 
 void gemm_bf16_panels(const GemmParams& p, int64_t begin, int64_t end, void* scratch) {
@@ -346,6 +379,16 @@ void gemm_vnni_panels(const GemmParams& p, int64_t begin, int64_t end, void* scr
   vnni_run<Vnni::Int8>(p, begin, end, s);
 }
 
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block, int8_t* xq,
+                   int64_t ldxq, float* scale, int32_t* comp) {
+  quantize(x, M, K, ldx, offset, block, xq, ldxq, scale, comp);
+}
+
+void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block, int8_t* xq,
+                   int64_t ldxq, float* scale, int32_t* comp) {
+  quantize(x, M, K, ldx, offset, block, xq, ldxq, scale, comp);
+}
+
 }  // namespace avx512
 }  // namespace kiln
 
@@ -359,6 +402,8 @@ namespace kiln {
 namespace avx512 {  // never called: cpu_features() reports no AVX-512 here
 void gemm_bf16_panels(const GemmParams&, int64_t, int64_t, void*) {}
 void gemm_vnni_panels(const GemmParams&, int64_t, int64_t, void*) {}
+void quantize_rows(const float*, int64_t, int64_t, int64_t, int32_t, int64_t, int8_t*, int64_t, float*, int32_t*) {}
+void quantize_rows(const uint16_t*, int64_t, int64_t, int64_t, int32_t, int64_t, int8_t*, int64_t, float*, int32_t*) {}
 }  // namespace avx512
 }  // namespace kiln
 #endif

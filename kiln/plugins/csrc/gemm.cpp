@@ -381,9 +381,11 @@ GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::opt
     return;
   }
 
-  // The bf16 kernels (AMX, AVX-512-BF16) pair each gate panel with its up panel and apply the
-  // activation to their accumulators; the others write y and result() activates it.
-  fused_ = swiglu && (kernel == Kernel::AmxBf16 || kernel == Kernel::Avx512Bf16) && n % (2 * kPanel) == 0;
+  // The bf16 kernels (AMX, AVX-512-BF16), and VNNI's past one row, pair each gate panel with its up
+  // panel and apply the activation to their accumulators; the others write y and result() activates
+  // it. (VNNI's GEMV reads four panels at once instead.)
+  fused_ = swiglu && n % (2 * kPanel) == 0 &&
+           (kernel == Kernel::AmxBf16 || kernel == Kernel::Avx512Bf16 || (kernel == Kernel::Avx512Vnni && p.M > 1));
   p.swiglu_panels = fused_ ? panels / 2 : 0;
   out_ = at::empty(out_shape(x, fused_ ? n / 2 : n), x.options().dtype(out_dtype));
   p.out = out_.mutable_data_ptr();

@@ -245,7 +245,7 @@ void vnni_rows(const GemmParams& p, const uint8_t* const (&w)[NP], int64_t row0,
       __m512 g = _mm512_set1_ps(1.0f);
       if constexpr (kGroups) {
         const uint16_t* scales = p.group_scale + (k0 >> p.group_shift) * stride + panel * kPanel;
-        g = half_row(scales + j * kPanel);
+        g = half_row(scales + (j > 0 && p.swiglu_panels > 0 ? p.swiglu_panels : j) * kPanel);  // swiglu: the up panel
         // The group scales are a stream of their own (32 bytes per panel and group, rows n * 2 bytes
         // apart) that no weight prefetch covers: fetch the next panel group's. SmolLM-135M's int4 GEMVs
         // alternated on Zen 4, float32 scales then: one thread 15.6 -> 16.9 GB/s, two 22.7 -> 23.5.
@@ -257,6 +257,13 @@ void vnni_rows(const GemmParams& p, const uint8_t* const (&w)[NP], int64_t row0,
         const __m512i s = _mm512_sub_epi32(sum[j][m], _mm512_set1_epi32(p.xq_comp[at]));
         acc[j][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(g, _mm512_set1_ps(p.xq_scale[at])), acc[j][m]);
       }
+    }
+  }
+  if constexpr (NP == 2) {
+    if (p.swiglu_panels > 0) {  // w: gate panel `panel` and its up panel
+      const Epilogue gate = epilogue(p, panel), up = epilogue(p, panel + p.swiglu_panels);
+      for (int m = 0; m < MR; ++m) store_swiglu_row(p, gate, up, row0 + m, acc[0][m], acc[1][m]);
+      return;
     }
   }
   for (int j = 0; j < NP; ++j) {
@@ -287,12 +294,40 @@ const uint8_t* unpack_int4(const uint8_t* panel, int64_t K, uint8_t* out) {
   return out;
 }
 
+template <int NP, Vnni kWeights>
+void vnni_rows_all(const GemmParams& p, const uint8_t* const (&w)[NP], int64_t panel) {
+  for (int64_t row = 0; row < p.M; row += 4) vnni_rows_any<NP, kWeights>(p, w, row, std::min<int64_t>(4, p.M - row), panel);
+}
+
+// Panels [begin, end) in pairs, or with p.swiglu_panels the gate panels [begin, end), each with its
+// up panel. kUnpack: int4 panels are first unpacked into scratch.
+template <Vnni kWeights, bool kUnpack>
+void vnni_pairs(const GemmParams& p, int64_t begin, int64_t end, uint8_t* scratch) {
+  constexpr Vnni kRead = kUnpack ? Vnni::Int4Unpacked : kWeights;
+  const auto* base = static_cast<const uint8_t*>(p.w);
+  const int64_t panel_bytes = p.panel_rows * 4 * kPanel, up = p.swiglu_panels;
+  auto at = [&](int64_t panel, int64_t slot) -> const uint8_t* {
+    const uint8_t* w = base + panel * panel_bytes;
+    if constexpr (kUnpack) return unpack_int4(w, p.K, scratch + slot * p.K * kPanel);
+    return w;
+  };
+  int64_t panel = begin;
+  for (; up > 0 ? panel < end : panel + 2 <= end; panel += up > 0 ? 1 : 2) {
+    const uint8_t* w[2] = {at(panel, 0), at(up > 0 ? panel + up : panel + 1, 1)};
+    vnni_rows_all<2, kRead>(p, w, panel);
+  }
+  for (; panel < end; ++panel) {
+    const uint8_t* w[1] = {at(panel, 0)};
+    vnni_rows_all<1, kRead>(p, w, panel);
+  }
+}
+
 template <Vnni kWeights>
 void vnni_run(const GemmParams& p, int64_t begin, int64_t end, uint8_t* scratch) {
-  const auto* base = static_cast<const uint8_t*>(p.w);
-  const int64_t panel_bytes = p.panel_rows * 4 * kPanel;
   int64_t panel = begin;
-  if (p.M == 1) {  // a GEMV: four streams
+  if (p.M == 1 && p.swiglu_panels == 0) {  // a GEMV: four streams
+    const auto* base = static_cast<const uint8_t*>(p.w);
+    const int64_t panel_bytes = p.panel_rows * 4 * kPanel;
     for (; panel + 4 <= end; panel += 4) {
       const uint8_t* w[4];
       for (int j = 0; j < 4; ++j) w[j] = base + (panel + j) * panel_bytes;
@@ -302,31 +337,8 @@ void vnni_run(const GemmParams& p, int64_t begin, int64_t end, uint8_t* scratch)
   // More than one row block of int4 weights: each panel's nibbles are unpacked once, not once per
   // row block (SmolLM-135M's four GEMMs of a layer at M = 512, g64, Zen 4: 5.77 -> 5.63 ms on 2
   // threads; M = 16 unchanged).
-  if constexpr (kWeights == Vnni::Int4) {
-    if (p.M > 4) {
-      const int64_t unpacked = p.K * kPanel;
-      for (; panel + 2 <= end; panel += 2) {
-        const uint8_t* w[2] = {unpack_int4(base + panel * panel_bytes, p.K, scratch),
-                               unpack_int4(base + (panel + 1) * panel_bytes, p.K, scratch + unpacked)};
-        for (int64_t row = 0; row < p.M; row += 4)
-          vnni_rows_any<2, Vnni::Int4Unpacked>(p, w, row, std::min<int64_t>(4, p.M - row), panel);
-      }
-      for (; panel < end; ++panel) {
-        const uint8_t* w[1] = {unpack_int4(base + panel * panel_bytes, p.K, scratch)};
-        for (int64_t row = 0; row < p.M; row += 4)
-          vnni_rows_any<1, Vnni::Int4Unpacked>(p, w, row, std::min<int64_t>(4, p.M - row), panel);
-      }
-      return;
-    }
-  }
-  for (; panel + 2 <= end; panel += 2) {
-    const uint8_t* w[2] = {base + panel * panel_bytes, base + (panel + 1) * panel_bytes};
-    for (int64_t row = 0; row < p.M; row += 4) vnni_rows_any<2, kWeights>(p, w, row, std::min<int64_t>(4, p.M - row), panel);
-  }
-  for (; panel < end; ++panel) {
-    const uint8_t* w[1] = {base + panel * panel_bytes};
-    for (int64_t row = 0; row < p.M; row += 4) vnni_rows_any<1, kWeights>(p, w, row, std::min<int64_t>(4, p.M - row), panel);
-  }
+  if (kWeights == Vnni::Int4 && p.M > 4) return vnni_pairs<kWeights, true>(p, panel, end, scratch);
+  vnni_pairs<kWeights, false>(p, panel, end, scratch);
 }
 
 // 16 values of x from `at` (float32 or bf16 bits), the lanes past `mask` zero.

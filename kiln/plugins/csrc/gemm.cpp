@@ -416,8 +416,8 @@ GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::opt
       int32_t* c = grown(buffers.xcomp, p.M * blocks);
       const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
       // AVX-512 quantizes bf16 or float32 x as it is: the float copy and the AVX2 build's loops cost
-      // 7% of an int8 prefill. SmolLM-135M, a layer's GEMMs at M = 512, Zen 4, 2 threads: int8 5.54 -> 5.07 ms,
-      // int4 g64 5.77 -> 5.39.
+      // 7% of an int8 prefill. SmolLM-135M, a layer's GEMMs at M = 512, Zen 4, 2 threads: int8 5.54
+      // -> 5.07 ms, int4 g64 5.77 -> 5.39.
       const bool bf16 = xc_.scalar_type() == at::kBFloat16;
       if ((cpu_features() & kAvx512) && (bf16 || xc_.scalar_type() == at::kFloat)) {
         const void* x0 = xc_.const_data_ptr();

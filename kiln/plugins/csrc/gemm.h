@@ -66,7 +66,7 @@ struct GemmParams {
   int64_t ldxb;
   const int8_t* xq;    // int8 kernels: [M, ldxq] int8, k past K zero
   int64_t ldxq;
-  int64_t act_block;        // k per activation block: a power of two, and an int4 group or a whole number of them
+  int64_t act_block;        // k per activation block (act_block_for): a power of two; int4: its group or a part of it
   const float* xq_scale;    // [M, ldxq / act_block]: x[m, k] ~ xq[m, k] * xq_scale[m, k / act_block]
   const int32_t* xq_comp;   // [M, ldxq / act_block]: offset * sum of the block's xq (see the kernels)
   int64_t M, K;

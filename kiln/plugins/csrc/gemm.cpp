@@ -420,15 +420,10 @@ GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::opt
       // -> 5.07 ms, int4 g64 5.77 -> 5.39.
       const bool bf16 = xc_.scalar_type() == at::kBFloat16;
       if ((cpu_features() & kAvx512) && (bf16 || xc_.scalar_type() == at::kFloat)) {
-        const void* x0 = xc_.const_data_ptr();
+        const char* x0 = static_cast<const char*>(xc_.const_data_ptr());
         kiln::pool::parallel_for(0, p.M, grain, [&](int64_t begin, int64_t end) {
-          if (bf16) {
-            avx512::quantize_rows(static_cast<const uint16_t*>(x0) + begin * K, end - begin, K, K, offset, p.act_block,
-                                  q + begin * p.ldxq, p.ldxq, s + begin * blocks, c + begin * blocks);
-          } else {
-            avx512::quantize_rows(static_cast<const float*>(x0) + begin * K, end - begin, K, K, offset, p.act_block,
-                                  q + begin * p.ldxq, p.ldxq, s + begin * blocks, c + begin * blocks);
-          }
+          avx512::quantize_rows(x0 + begin * K * xc_.element_size(), bf16, end - begin, K, K, offset, p.act_block,
+                                q + begin * p.ldxq, p.ldxq, s + begin * blocks, c + begin * blocks);
         });
       } else {
         const float* xf = float_x(xc_, p.M, K, K, buffers.xf);

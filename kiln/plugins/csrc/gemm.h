@@ -105,11 +105,9 @@ KILN_DECLARE_GEMM_KERNEL(AVX2)
 namespace avx512 {
 void gemm_bf16_panels(const GemmParams& p, int64_t panel_begin, int64_t panel_end, void* scratch);
 void gemm_vnni_panels(const GemmParams& p, int64_t panel_begin, int64_t panel_end, void* scratch);
-// DEFAULT::quantize_rows' results, from float32 or bf16 x (no float copy first)
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block, int8_t* xq,
-                   int64_t ldxq, float* scale, int32_t* comp);
-void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block, int8_t* xq,
-                   int64_t ldxq, float* scale, int32_t* comp);
+// DEFAULT::quantize_rows' results, from float32 x or (bf16) bf16 x, with no float copy first
+void quantize_rows(const void* x, bool bf16, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block,
+                   int8_t* xq, int64_t ldxq, float* scale, int32_t* comp);
 }  // namespace avx512
 namespace amx {
 void gemm_bf16_panels(const GemmParams& p, int64_t panel_begin, int64_t panel_end, void* scratch);

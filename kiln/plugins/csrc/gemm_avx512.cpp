@@ -391,14 +391,10 @@ void gemm_vnni_panels(const GemmParams& p, int64_t begin, int64_t end, void* scr
   vnni_run<Vnni::Int8>(p, begin, end, s);
 }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block, int8_t* xq,
-                   int64_t ldxq, float* scale, int32_t* comp) {
-  quantize(x, M, K, ldx, offset, block, xq, ldxq, scale, comp);
-}
-
-void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block, int8_t* xq,
-                   int64_t ldxq, float* scale, int32_t* comp) {
-  quantize(x, M, K, ldx, offset, block, xq, ldxq, scale, comp);
+void quantize_rows(const void* x, bool bf16, int64_t M, int64_t K, int64_t ldx, int32_t offset, int64_t block,
+                   int8_t* xq, int64_t ldxq, float* scale, int32_t* comp) {
+  if (bf16) return quantize(static_cast<const uint16_t*>(x), M, K, ldx, offset, block, xq, ldxq, scale, comp);
+  quantize(static_cast<const float*>(x), M, K, ldx, offset, block, xq, ldxq, scale, comp);
 }
 
 }  // namespace avx512
@@ -414,8 +410,7 @@ namespace kiln {
 namespace avx512 {  // never called: cpu_features() reports no AVX-512 here
 void gemm_bf16_panels(const GemmParams&, int64_t, int64_t, void*) {}
 void gemm_vnni_panels(const GemmParams&, int64_t, int64_t, void*) {}
-void quantize_rows(const float*, int64_t, int64_t, int64_t, int32_t, int64_t, int8_t*, int64_t, float*, int32_t*) {}
-void quantize_rows(const uint16_t*, int64_t, int64_t, int64_t, int32_t, int64_t, int8_t*, int64_t, float*, int32_t*) {}
+void quantize_rows(const void*, bool, int64_t, int64_t, int64_t, int32_t, int64_t, int8_t*, int64_t, float*, int32_t*) {}
 }  // namespace avx512
 }  // namespace kiln
 #endif

@@ -157,15 +157,52 @@ def test_slow_kernels_are_pruned_but_never_amx(monkeypatch):
     cost = {vnni: lambda m: 14 + 5 * m, amx: lambda m: 100 + 0.8 * m, avx2: lambda m: 60 * m}
     timed = []
 
-    def fake_time(layer, m, kernels, x_dtype, budget_s=0.05, spread=None):
+    def fake_time(layer, m, kernels, x_dtype, budget_s=0.05, spread=None, weights=None):
         timed.append((m, sorted(kernels)))
         return {k: cost[k](m) for k in kernels}
 
     monkeypatch.setattr(tactics, "_time_us", fake_time)
     monkeypatch.setattr(tactics, "candidates", lambda *_: [vnni, amx, avx2])
     monkeypatch.setattr(tactics, "gemm_key", lambda *_: "n3072_k576_uint8_g64")
-    layer = SimpleNamespace(weight=None, tactics=None)
+    layer = SimpleNamespace(weight=torch.empty(16, 8), scale=None, tactics=None)
     table = tactics.select({"mlp": layer}, torch.bfloat16, 512, True, tactics.TimingCache(None), log=lambda *_: None)
     winners = {row["m_max"]: row["kernel"] for row in table["n3072_k576_uint8_g64"]["buckets"]}
     assert winners[1] == "avx512_vnni" and winners[512] == "amx_bf16"
     assert all(avx2 not in kernels for m, kernels in timed if m >= 8) and all(amx in kernels for _, kernels in timed)
+
+
+def test_timed_calls_are_the_models_own(monkeypatch):
+    """Each timed call reads another layer's (or expert's) weights, as a decode step does, not one
+    weight from the cache; experts are timed as the moe op runs them: fc with its activation fused,
+    and on one thread each where a token's experts outnumber the threads twice over."""
+    from types import SimpleNamespace
+
+    from kiln.plugins import gemm
+
+    seen = []
+
+    def record(swiglu):
+        def call(x, weight, scale, *args):
+            seen.append((swiglu, weight.data_ptr(), scale.data_ptr(), torch.get_num_threads()))
+        return call
+
+    monkeypatch.setattr(gemm, "gemm", record(False))
+    monkeypatch.setattr(gemm, "gemm_swiglu", record(True))
+    kernel = tactics.kernel_ids()["avx2"]
+    experts = [SimpleNamespace(weight=torch.randn(4, 3, 2, 2), scale=torch.randn(4, 3), bias=None, n=32, k=8,
+                               group_size=0, out_float=False, swiglu=True, experts_per_token=top) for top in (2, 4)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tactics._time_us(experts[1], 1, [kernel], torch.float32, weights=tactics.operands(experts))
+        assert {(swiglu, t) for swiglu, _, _, t in seen} == {(True, 1)}
+        assert len({(w, s) for _, w, s, _ in seen}) == 8  # two layers' four experts, each in turn
+        seen.clear()
+        tactics._time_us(experts[0], 1, [kernel], torch.float32)
+        assert {t for *_, t in seen} == {2} and len({w for _, w, _, _ in seen}) == 4
+    finally:
+        torch.set_num_threads(threads)
+    dense = SimpleNamespace(weight=torch.randn(3, 2, 2), scale=None, bias=None, n=32, k=8, group_size=0,
+                            out_float=False, swiglu=False)
+    assert tactics.operands([dense, dense]) == [(dense.weight, None)] * 2
+    assert tactics.gemm_key(experts[0], torch.bfloat16) == "n32_k8_float32_swiglu_experts2_xbfloat16"

@@ -85,6 +85,10 @@ class MoeMLP(nn.Module):
         # PackedLinears so that engine-build times their kernels like any GEMM's (per expert's rows).
         self.fc = _packed_experts(config, weights, prefix + "mlp.fc", 2 * self.inter, hidden)
         self.proj = _packed_experts(config, weights, prefix + "mlp.proj", hidden, self.inter)
+        # How the plugin runs them, for engine-build's timing: fc activated in its epilogue, and each
+        # expert on one thread where a token's experts outnumber the threads.
+        self.fc.swiglu = True
+        self.fc.experts_per_token = self.proj.experts_per_token = self.top_k
         self.shared_gate_up = self.shared_proj = self.shared_gate = None
         if config.moe.shared_expert_intermediate_size:
             self.shared_gate_up = make_linear(config, weights, [prefix + SHARED[0], prefix + SHARED[1]], None, packed)

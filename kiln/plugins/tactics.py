@@ -15,6 +15,7 @@ runs a kernel that it has, with a warning (csrc/gemm.cpp), never an illegal inst
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -103,10 +104,14 @@ def candidates(weight: torch.Tensor, x_dtype: torch.dtype, int8_activations: boo
     return [k for k in ids if k not in (PORTABLE, PORTABLE_INT8)] if vector else ids
 
 
+# Part of every cached measurement's key: a new method of timing never reuses the old one's figures.
+TIMING_METHOD = "cycled"  # each call reads another layer's (or expert's) weights (_time_us)
+
+
 class TimingCache:
     """Measured microseconds per (machine, library, threads, GEMM, tokens, kernel), kept in a JSON
-    file between builds (`engine-build --timing_cache FILE`). A changed kernel source, CPU or thread
-    count gives new keys, so a stale measurement is never reused."""
+    file between builds (`engine-build --timing_cache FILE`). A changed kernel source, CPU, thread
+    count or timing method gives new keys, so a stale measurement is never reused."""
 
     def __init__(self, path: str | os.PathLike | None):
         self.path = Path(path) if path else None
@@ -122,7 +127,8 @@ class TimingCache:
 
                 raise ConfigError(f"timing cache {self.path} is not a kiln timing cache ({e}); "
                                   f"delete it or pass another file") from None
-        self.prefix = f"{cpu_model()}|{','.join(cpu_features())}|{cpp._key()}|{torch.get_num_threads()}t"
+        self.prefix = (f"{cpu_model()}|{','.join(cpu_features())}|{cpp._key()}|{torch.get_num_threads()}t"
+                       f"|{TIMING_METHOD}")
 
     def _full(self, key: str, kernel: int) -> str:
         return f"{self.prefix}|{key}|{kernel_name(kernel)}"
@@ -182,20 +188,46 @@ class MachineLoad:
         return max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
 
 
+def operands(layers) -> list[tuple]:
+    """(weight, scale) of each GEMM the layers run: one per layer, one per expert of a mixture's
+    stacked experts."""
+    out = []
+    for layer in layers:
+        if layer.weight.dim() == 4:
+            out += [(w, None if layer.scale is None else layer.scale[e]) for e, w in enumerate(layer.weight)]
+        else:
+            out.append((layer.weight, layer.scale))
+    return out
+
+
 def _time_us(layer, m: int, kernels: list[int], x_dtype: torch.dtype, budget_s: float = 0.05,
-             spread: dict | None = None) -> dict[int, float]:
+             spread: dict | None = None, weights: list[tuple] | None = None) -> dict[int, float]:
     """Microseconds per call of layer's GEMM at m tokens on each kernel: the fastest single call of
     rounds that take the plugin's kernels in turn (ATen's in rounds of its own). A shared machine's
     noise (a descheduled thread, another process's cache traffic) only ever slows a call down, and
-    taking turns keeps a slow minute from landing on one kernel. spread, if given, gets each kernel's median call over its fastest."""
+    taking turns keeps a slow minute from landing on one kernel. spread, if given, gets each kernel's median call over its fastest.
+
+    The calls are the ones the model makes:
+    - Each takes the next of `weights` (default: operands([layer])), the (weight, scale) of every
+      layer of this shape or expert: a decode step reads each once, from memory, where one weight
+      timed over and over is read from the cache.
+    - A mixture's experts run on one thread each when the moe op does so (csrc/moe.cpp: at least
+      two chosen experts per thread), and fc with its activation fused.
+    """
     from kiln.plugins import gemm
 
+    threads = torch.get_num_threads()
+    if threads > 1 and getattr(layer, "experts_per_token", 0) >= 2 * threads:
+        torch.set_num_threads(1)
+        try:
+            return _time_us(layer, m, kernels, x_dtype, budget_s, spread, weights)
+        finally:
+            torch.set_num_threads(threads)
     x = torch.randn(m, layer.k, generator=torch.Generator().manual_seed(m)).to(x_dtype)
-    weight, scale = layer.weight, layer.scale
-    if weight.dim() == 4:  # a mixture's experts, stacked: each runs the GEMM of one
-        weight, scale = weight[0], None if scale is None else scale[0]
+    turn = itertools.cycle(weights or operands([layer]))
 
     def call(kernel):
+        weight, scale = next(turn)
         start = time.perf_counter()
         if getattr(layer, "swiglu", False):  # the call the layer makes: its activation fused or not
             gemm.gemm_swiglu(x, weight, scale, layer.bias, layer.n, layer.group_size, (1 << 62, kernel))
@@ -222,10 +254,11 @@ def _time_us(layer, m: int, kernels: list[int], x_dtype: torch.dtype, budget_s: 
 
 
 def gemm_key(layer, x_dtype: torch.dtype) -> str:
-    w = layer.weight
+    w, top = layer.weight, getattr(layer, "experts_per_token", 0)
     return (f"n{layer.n}_k{layer.k}_{str(w.dtype).removeprefix('torch.')}"
             f"{'_g' + str(layer.group_size) if layer.group_size else ''}"
             f"{'_f32out' if layer.out_float else ''}{'_swiglu' if getattr(layer, 'swiglu', False) else ''}"
+            f"{f'_experts{top}' if top else ''}"
             f"_x{str(x_dtype).removeprefix('torch.')}")
 
 
@@ -240,17 +273,18 @@ def select(layers: dict[str, object], x_dtype: torch.dtype, max_num_tokens: int,
     bounds = buckets(max_num_tokens)
     load, retimed = MachineLoad(), 0
     for key, members in by_key.items():
-        layer = members[0][1]
+        layer, weights = members[0][1], operands([member for _, member in members])
         alive = candidates(layer.weight, x_dtype, int8_activations)
         rows, pairs, behind = [], [], set()
         for bound in bounds:
             m = min(bound, MAX_TIMED_TOKENS)
             spread = {}
-            times = cache.get(f"{key}|m{m}", alive, lambda kernels: _time_us(layer, m, kernels, x_dtype, spread=spread))
+            times = cache.get(f"{key}|m{m}", alive,
+                              lambda kernels: _time_us(layer, m, kernels, x_dtype, spread=spread, weights=weights))
             best = min(times, key=times.get)
             if spread.get(best, 1.0) > NOISY_SPREAD:  # once more, longer; the fastest of both kept
                 retimed += 1
-                again = _time_us(layer, m, alive, x_dtype, budget_s=0.15)
+                again = _time_us(layer, m, alive, x_dtype, budget_s=0.15, weights=weights)
                 times = {k: min(times[k], again[k]) for k in alive}
                 cache.put(f"{key}|m{m}", times)
                 best = min(times, key=times.get)

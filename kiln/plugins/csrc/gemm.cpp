@@ -346,7 +346,10 @@ GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::opt
   TORCH_CHECK(scale.has_value() || !quantized, kOp, weight.scalar_type(), " weights need a scale");
   // int4 group scales are float16 (pack_int4 writes them so; float32 ones, from engines built before,
   // are converted here on every call), the others float32.
-  if (scale.has_value()) scale_ = scale->to(format == WeightFormat::Int4 ? at::kHalf : at::kFloat).contiguous();
+  if (scale.has_value()) {
+    const at::ScalarType type = format == WeightFormat::Int4 ? at::kHalf : at::kFloat;
+    scale_ = scale->scalar_type() == type && scale->is_contiguous() ? *scale : scale->to(type).contiguous();
+  }
   if (format == WeightFormat::Int4) {
     TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0 && K % group_size == 0, kOp,
                 "group_size must be a power of two >= 32 dividing K = ", K, ", got ", group_size);

@@ -32,13 +32,23 @@ def bandwidth(gib: float, threads: int, repeats: int = 5) -> dict[str, float]:
 
 def decode_bytes_per_token(engine, context: int) -> int:
     """The weights a token is computed with (each read once per step; a mixture of experts' chosen
-    experts only) plus the K/V of `context` tokens."""
-    p = engine.config.pretrained_config
+    experts only), at the width the engine stores them, plus the K/V of `context` tokens. Quantized
+    linears count their packed bytes (int4: half a byte and a float16 scale per group); the router,
+    norms and biases, a few percent of the parameters, are counted at the linears' width too."""
+    from kiln.models.linear import INT4_ALGOS
+
+    p, build = engine.config.pretrained_config, engine.config.build_config
     itemsize = torch.empty(0, dtype=getattr(torch, p.dtype)).element_size()
-    # The vocab GEMM reads the whole (tied or separate) lm_head; the embedding lookup one row.
-    weights = p.parameter_counts()[1] - (0 if p.tie_word_embeddings else p.vocab_size * p.hidden_size)
-    kv_per_token = engine.bytes_per_block // engine.config.build_config.tokens_per_block
-    return weights * itemsize + context * kv_per_token
+    q = p.quantization
+
+    def width(algo, group=q.group_size) -> float:  # bytes per parameter
+        return itemsize if algo is None else 0.5 + 2 / group if algo in INT4_ALGOS else 1.0
+
+    head = p.vocab_size * p.hidden_size  # the vocab GEMM reads the whole (tied or separate) lm_head
+    linears = p.parameter_counts()[1] - head * (1 if p.tie_word_embeddings else 2)  # the embedding lookup: one row
+    lm_head = {"int8": 1.0, "int4": 0.5 + 2 / q.group_size, True: width(q.quant_algo)}.get(build.quantize_lm_head, itemsize)
+    kv_per_token = engine.bytes_per_block // build.tokens_per_block
+    return int(linears * width(q.quant_algo) + head * lm_head + context * kv_per_token)
 
 
 def main():

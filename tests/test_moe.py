@@ -33,9 +33,11 @@ def reference_moe(x, ids, weights, fc, proj, expert_start):
 
 @pytest.mark.parametrize("fmt,T,kernel", [("float32", 9, 0), ("bfloat16", 9, 0), ("int8", 9, 0), ("int4", 9, 0),
                                           ("float32", 40, 0),  # experts side by side
-                                          ("bfloat16", 1, 0), ("int4", 1, 0), ("int8", 1, 7), ("int4", 1, 7)])
+                                          ("bfloat16", 1, 0), ("int4", 1, 0), ("int8", 1, 7), ("int4", 1, 7),
+                                          ("bfloat16", 40, 5), ("int8", 1, 5)])
 def test_moe_op_matches_the_per_expert_loop(fmt, T, kernel):
-    """T = 1: its two experts' GEMMs in one parallel loop each (kernel 7: int8 activations, vpdpbusd)."""
+    """T = 1: its two experts' GEMMs in one parallel loop each (kernel 7: int8 activations, vpdpbusd;
+    5: ATen's matmul, whose plan computes its GEMM whole when made, leaving nothing to run)."""
     cpp.load()
     g = torch.Generator().manual_seed(0)
     E, H, I, k, start = 6, 64, 32, 2, 2  # experts 2..7 held here; ids 0, 1 belong to another rank

@@ -457,6 +457,7 @@ GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::opt
 }
 
 void GemmPlan::run(int64_t begin, int64_t end) const {
+  if (begin >= end) return;  // nothing left to compute: ATen's plan ran whole in the constructor, or M = 0
   void* scratch = aligned_scratch(scratch_bytes(p_.K));
   if (fused_) return run_(p_, begin, end, scratch);
   run_(p_, 2 * begin, std::min(2 * end, panels_), scratch);

@@ -206,3 +206,23 @@ def test_timed_calls_are_the_models_own(monkeypatch):
                             out_float=False, swiglu=False)
     assert tactics.operands([dense, dense]) == [(dense.weight, None)] * 2
     assert tactics.gemm_key(experts[0], torch.bfloat16) == "n32_k8_float32_swiglu_experts2_xbfloat16"
+
+
+def test_experts_never_take_atens_matmul(monkeypatch):
+    """The moe op plans experts on its pool's threads, where ATen's matmul would start OpenMP teams of
+    its own: expert GEMMs are not timed on it, and no bucket can pick it."""
+    from types import SimpleNamespace
+
+    ids = tactics.kernel_ids()
+    timed = set()
+
+    def fake_time(layer, m, kernels, x_dtype, budget_s=0.05, spread=None, weights=None):
+        timed.update(kernels)
+        return {k: 1.0 if k == tactics.ATEN else 2.0 for k in kernels}
+
+    monkeypatch.setattr(tactics, "_time_us", fake_time)
+    monkeypatch.setattr(tactics, "candidates", lambda *_: [ids["avx2"], tactics.ATEN])
+    layer = SimpleNamespace(weight=torch.empty(2, 4, 16, 2), scale=None, bias=None, n=64, k=32, group_size=0,
+                            out_float=False, swiglu=True, experts_per_token=2, tactics=None)
+    table = tactics.select({"experts": layer}, torch.bfloat16, 64, False, tactics.TimingCache(None), log=lambda *_: None)
+    assert tactics.ATEN not in timed and {row["kernel"] for e in table.values() for row in e["buckets"]} == {"avx2"}

@@ -41,12 +41,14 @@ def decode_bytes_per_token(engine, context: int) -> int:
     itemsize = torch.empty(0, dtype=getattr(torch, p.dtype)).element_size()
     q = p.quantization
 
-    def width(algo, group=q.group_size) -> float:  # bytes per parameter
-        return itemsize if algo is None else 0.5 + 2 / group if algo in INT4_ALGOS else 1.0
+    def width(algo) -> float:  # bytes per parameter
+        return itemsize if algo is None else 0.5 + 2 / q.group_size if algo in INT4_ALGOS else 1.0
 
     head = p.vocab_size * p.hidden_size  # the vocab GEMM reads the whole (tied or separate) lm_head
     linears = p.parameter_counts()[1] - head * (1 if p.tie_word_embeddings else 2)  # the embedding lookup: one row
-    lm_head = {"int8": 1.0, "int4": 0.5 + 2 / q.group_size, True: width(q.quant_algo)}.get(build.quantize_lm_head, itemsize)
+    # engine-build's quantize_lm_head: "int8" / "int4" / "none", or True (older engines: the checkpoint's width)
+    lm_head = {"int8": width("W8A16"), "int4": width("W4A16"), True: width(q.quant_algo)}.get(build.quantize_lm_head,
+                                                                                         itemsize)
     kv_per_token = engine.bytes_per_block // build.tokens_per_block
     return int(linears * width(q.quant_algo) + head * lm_head + context * kv_per_token)
 

@@ -236,23 +236,22 @@ PEERS = {"llama_cpp": ("llama.cpp", "llama_cpp_bench", "LlamaCpp"),
 
 
 def peer_results(flag, hf_dir, work, args, vocab):
-    """{kind: {"decode": {batch: tokens/s}, "prefill": tokens/s}} of one peer runtime on hf_dir's weights."""
+    """{kind: {"decode": {batch: tokens/s}, "prefill": tokens/s}} of one peer runtime on hf_dir's weights,
+    each kind timed in a process of its own (peer_timing.measure)."""
     import importlib
 
+    from peer_timing import measure
+
     _, module, cls = PEERS[flag]
-    module = importlib.import_module(module)
-    models = module.exported(hf_dir, work / flag, args.peer_python)
+    models = importlib.import_module(module).exported(hf_dir, work / flag, args.peer_python)
     out = {}
     longest = max(args.input_len + args.output_len, args.prefill_len) + 8
     for kind, path in models.items():
-        model = getattr(module, cls)(path, torch.get_num_threads(), max(args.batch), longest)
         seeds = itertools.count(1)
-        decode = {b: max(model.decode(prompts(b, args.input_len, vocab, seed=next(seeds)), args.output_len - 1)
-                         for _ in range(args.repeats)) for b in args.batch}
-        pre = args.prefill_len / min(model.prefill(prompts(1, args.prefill_len, vocab, seed=next(seeds))[0])
-                                     for _ in range(3))
-        model.close()
-        out[kind] = {"decode": decode, "prefill": pre}
+        decode = {b: [prompts(b, args.input_len, vocab, seed=next(seeds)) for _ in range(args.repeats)]
+                  for b in args.batch}
+        prefill = [prompts(1, args.prefill_len, vocab, seed=next(seeds))[0] for _ in range(3)]
+        out[kind] = measure(module, cls, path, torch.get_num_threads(), decode, args.output_len - 1, prefill, longest)
         print(f"{PEERS[flag][0]} {kind}: {out[kind]}", file=sys.stderr)
     return out
 

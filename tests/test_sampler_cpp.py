@@ -71,6 +71,22 @@ def test_processed_logits_greedy_tokens_and_logprobs_equal_the_reference(cpp, re
             assert list(da.values()) == pytest.approx(list(db.values()), abs=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_greedy_batches_take_the_first_max_as_packed_rows_do(cpp, ref, dtype):
+    """A batch of greedy rows that nothing masks or penalizes skips packing: the same tokens, ties and
+    NaN rows included, as the same rows sampled beside one that needs packing (a logprobs row)."""
+    x = logits_for(8192, 5, 3).to(dtype)
+    x[1, [7, 9]] = 50.0  # a tie: the first wins
+    x[2, 11] = float("nan")  # NaN is the max, as torch.argmax has it
+    x[3] = float("-inf")
+    x[3, 8000] = 0.0
+    plain = [SampleRow(SP(temperature=0), *history(i, 8192)) for i in range(5)]
+    packed = plain + [SampleRow(SP(temperature=0, logprobs=1), *history(5, 8192))]
+    got = cpp(x, plain).token_ids
+    assert got == cpp(torch.cat([x, x[:1]]), packed).token_ids[:5] == ref(x, plain).token_ids
+    assert got[1:4] == [7, 11, 8000] and cpp(x, plain).logprobs == [None] * 5
+
+
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_seeded_draws_without_top_p_equal_the_reference(cpp, ref, vocab):
     """Without top-p both samplers invert the same uniform over the same tokens in token order."""

@@ -12,6 +12,7 @@ than torch.tensor).
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import warnings
@@ -145,9 +146,34 @@ def _allowed(rows: Sequence[SampleRow], V: int) -> torch.Tensor | None:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _argmax_args(n: int) -> tuple[torch.Tensor, ...]:
+    """The sample op's packed rows for n rows of _argmax_of_raw, the same every step: nothing to pack
+    (not torch.argmax, whose OpenMP team would then spin against the kernels' pool)."""
+    fp = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0, 0.0]] * n)  # temperature, top_p, min_p, the penalties: off
+    ip = torch.tensor([[1, 0, -1, 0, 0, 0]] * n)  # greedy, no top-k, no logprobs
+    none, offsets = torch.empty(0, dtype=torch.int64), torch.zeros(2 * n + 1, dtype=torch.int64)
+    return fp, ip, none, offsets, none, offsets[:n + 1]
+
+
+def _argmax_of_raw(rows: Sequence[SampleRow]) -> bool:
+    """Whether every row's token is the argmax of its raw logits: greedy rows that nothing masks or
+    penalizes and that want no logprobs (most decode batches of a benchmark or an eval)."""
+    for r in rows:
+        p = r.params
+        if not p.greedy or p.logprobs is not None or p.uses_penalties or p.bad_words_ids or r.allowed is not None \
+                or len(r.output_token_ids) < p.min_tokens:
+            return False
+    return True
+
+
 def cpp_sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
     if logits.dim() == 2 and logits.shape[0] == 0 == len(rows):
         return SampleOutput([], [], [])
+    if logits.dim() == 2 and logits.shape[0] == len(rows) and _argmax_of_raw(rows):
+        raw = logits if logits.dtype == torch.float32 and logits.stride(1) == 1 else logits.float().contiguous()
+        tokens = torch.ops.kiln_cpp.sample(raw, *_argmax_args(len(rows)), 0, None)[0]
+        return SampleOutput(tokens.tolist(), [None] * len(rows), [None] * len(rows))
     args = _pack(logits, rows)
     wanted = [r.params.logprobs for r in rows]
     max_n = max((n for n in wanted if n is not None), default=0)

@@ -54,7 +54,7 @@ def measure(module: str, cls: str, path: Path, threads: int, decode: dict[int, l
             new_tokens: int, prefill: list[list[int]], max_len: int) -> dict:
     """{"decode": {batch: best tokens/s}, "prefill": best tokens/s} of module.cls's model at path, timed in a
     fresh interpreter: decode[batch] holds one batch of prompts per repeat, prefill one prompt per repeat."""
-    job = {"module": module, "cls": cls, "path": str(path), "threads": threads, "new_tokens": new_tokens,
+    job = {"module": module, "cls": cls, "path": str(Path(path).resolve()), "threads": threads, "new_tokens": new_tokens,
            "decode": {str(b): runs for b, runs in decode.items()}, "prefill": prefill, "max_len": max_len}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"

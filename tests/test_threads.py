@@ -37,6 +37,23 @@ def test_bad_thread_counts(restore_threads, monkeypatch):
         configure_threads()
 
 
+@pytest.mark.parametrize("env", [{"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "INFINITE"}])
+def test_spinning_openmp_settings_are_warned_of(restore_threads, monkeypatch, env):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        configure_threads(1)  # the defaults: no warning
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+        configure_threads(1)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.warns(RuntimeWarning, match="idle OpenMP threads spinning.*Unset it"):
+        configure_threads(1)
+
+
 def test_affinity_bounds_the_default():
     """A process pinned to one core runs one intra-op thread, not one per core of the machine."""
     code = ("import torch; from kiln.threads import configure_threads; "

@@ -54,8 +54,9 @@ def measure(module: str, cls: str, path: Path, threads: int, decode: dict[int, l
             new_tokens: int, prefill: list[list[int]], max_len: int) -> dict:
     """{"decode": {batch: best tokens/s}, "prefill": best tokens/s} of module.cls's model at path, timed in a
     fresh interpreter: decode[batch] holds one batch of prompts per repeat, prefill one prompt per repeat."""
-    job = {"module": module, "cls": cls, "path": str(Path(path).resolve()), "threads": threads, "new_tokens": new_tokens,
-           "decode": {str(b): runs for b, runs in decode.items()}, "prefill": prefill, "max_len": max_len}
+    job = {"module": module, "cls": cls, "path": str(Path(path).resolve()), "threads": threads,
+           "new_tokens": new_tokens, "decode": {str(b): runs for b, runs in decode.items()}, "prefill": prefill,
+           "max_len": max_len}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         subprocess.run([sys.executable, __file__, str(out)], input=json.dumps(job), text=True, check=True,

@@ -35,6 +35,7 @@ def decode_bytes_per_token(engine, context: int) -> int:
     experts only), at the width the engine stores them, plus the K/V of `context` tokens. Quantized
     linears count their packed bytes (int4: half a byte and a float16 scale per group); the router,
     norms and biases, a few percent of the parameters, are counted at the linears' width too."""
+    from kiln.build.builder import lm_head_quantization
     from kiln.models.linear import INT4_ALGOS
 
     p, build = engine.config.pretrained_config, engine.config.build_config
@@ -46,9 +47,8 @@ def decode_bytes_per_token(engine, context: int) -> int:
 
     head = p.vocab_size * p.hidden_size  # the vocab GEMM reads the whole (tied or separate) lm_head
     linears = p.parameter_counts()[1] - head * (1 if p.tie_word_embeddings else 2)  # the embedding lookup: one row
-    # engine-build's quantize_lm_head: "int8" / "int4" / "none", or True (older engines: the checkpoint's width)
-    lm_head = {"int8": width("W8A16"), "int4": width("W4A16"), True: width(q.quant_algo)}.get(build.quantize_lm_head,
-                                                                                         itemsize)
+    lm_head = {"int8": width("W8A16"), "int4": width("W4A16")}.get(
+        lm_head_quantization(build.quantize_lm_head, p, build.plugin_config["gemm_plugin"]), itemsize)
     kv_per_token = engine.bytes_per_block // build.tokens_per_block
     return int(linears * width(q.quant_algo) + head * lm_head + context * kv_per_token)
 

@@ -226,12 +226,16 @@ def test_two_servers_on_one_engine_dir_keep_their_own_extractions(engine_dir, en
 EXITS = '''
 import faulthandler
 import multiprocessing as mp
+import os
 import signal
 import sys
 import time
+from pathlib import Path
 
-# A process still here after this long is stuck: its threads' stacks go to the log, and it exits.
-faulthandler.dump_traceback_later(150, exit=True)
+# A process still here after this long is stuck: its threads' stacks go to the log, and it exits
+# (a child sooner than its parent, whose exit ends the test's wait and so the log it reads).
+faulthandler.dump_traceback_later(150 if __name__ == "__main__" else 120, exit=True)
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 # Ctrl+C raises KeyboardInterrupt even where the test runs as a background job (which ignores SIGINT)
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -261,7 +265,13 @@ if __name__ == "__main__":
         done.get(), done.get()
         children[1].terminate()
         for c in children:
-            c.join()
+            c.join(90)
+            if c.is_alive():  # say which, where its threads wait, and ask for its Python stacks
+                tasks = [f"{t.name}: " + open(t / "wchan").read() + " " + open(t / "syscall").read().split()[0]
+                         for t in Path(f"/proc/{c.pid}/task").iterdir()]
+                print(f"child {children.index(c)} (pid {c.pid}) still alive:", tasks, file=sys.stderr, flush=True)
+                os.kill(c.pid, signal.SIGUSR1)
+                c.join()
         print("exit codes", [c.exitcode for c in children], flush=True)
     load(then=sys.argv[1])
 '''

@@ -41,10 +41,13 @@ def tables_of(seqs: list[Sequence]) -> torch.Tensor:
     return tables
 
 
-def _tables(block_tables: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
-    if not rows:
-        return torch.empty((0, 1), dtype=torch.int32)
-    return block_tables[:, :max(width, 1)].index_select(0, torch.tensor(rows, **I64))
+_NO_TABLES = torch.empty((0, 1), dtype=torch.int32)  # the engine only reads its inputs
+
+
+def _tables(block_tables: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    if not len(rows):
+        return _NO_TABLES
+    return block_tables[:, :max(width, 1)].index_select(0, rows)
 
 
 def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.Tensor,
@@ -95,23 +98,24 @@ def plan_step(out: SchedulerOutput, tokens_per_block: int, block_tables: torch.T
 
     # Two host-to-tensor conversions per step (one per dtype), split into views: at batch 1 the
     # step's host time is mostly per-op overhead, paid again on caches the engine call just evicted.
-    sizes = (len(input_ids), len(positions), len(slots), len(gen_index), len(logits_index), len(lens), len(adapters))
-    ids, pos, slot_mapping, gen_token_index, logits, seq_lens, lora = torch.tensor(
-        input_ids + positions + slots + gen_index + logits_index + lens + adapters, **I64).split(sizes)
-    ctx_context_lens, gen_context_lens = torch.tensor(ctx_lens + gen_lens, dtype=torch.int32).split(
-        (len(ctx_lens), len(gen_lens)))
     width = max((len(r) for r in ctx_index), default=1)
-    ctx_token_index = torch.tensor([list(r) + [-1] * (width - len(r)) for r in ctx_index],
-                                   **I64).view(len(ctx_index), width)
+    ctx_tokens = [i for r in ctx_index for i in (*r, *[-1] * (width - len(r)))]
+    sizes = (len(input_ids), len(positions), len(slots), len(gen_index), len(logits_index), len(lens), len(adapters),
+             len(ctx_tokens), len(ctx_rows), len(gen_rows))
+    ids, pos, slot_mapping, gen_token_index, logits, seq_lens, lora, ctx_token_index, ctx_table_rows, gen_table_rows = (
+        torch.tensor(input_ids + positions + slots + gen_index + logits_index + lens + adapters + ctx_tokens + ctx_rows
+                     + gen_rows, **I64).split_with_sizes(sizes))
+    ctx_context_lens, gen_context_lens = torch.tensor(ctx_lens + gen_lens, dtype=torch.int32).split_with_sizes(
+        (len(ctx_lens), len(gen_lens)))
     plan.inputs = dict(
         input_ids=ids,
         positions=pos,
         slot_mapping=slot_mapping,
-        ctx_token_index=ctx_token_index,
-        ctx_block_tables=_tables(block_tables, ctx_rows, -(-max(ctx_lens, default=1) // tpb)),
+        ctx_token_index=ctx_token_index.view(len(ctx_index), width),
+        ctx_block_tables=_tables(block_tables, ctx_table_rows, -(-max(ctx_lens, default=1) // tpb)),
         ctx_context_lens=ctx_context_lens,
         gen_token_index=gen_token_index,
-        gen_block_tables=_tables(block_tables, gen_rows, -(-max(gen_lens, default=1) // tpb)),
+        gen_block_tables=_tables(block_tables, gen_table_rows, -(-max(gen_lens, default=1) // tpb)),
         gen_context_lens=gen_context_lens,
         logits_index=logits,
     )

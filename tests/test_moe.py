@@ -72,6 +72,33 @@ def test_moe_op_matches_the_per_expert_loop(fmt, T, kernel):
     assert want.abs().max() > 0.1
 
 
+@pytest.mark.parametrize("dtype,renormalize,T", [(torch.float32, True, 5), (torch.bfloat16, True, 3),
+                                                  (torch.bfloat16, False, 40), (torch.float16, True, 2)])
+def test_moe_routed_routes_as_hf(dtype, renormalize, T):
+    """moe_routed from router logits = moe from HF's routing: softmax in float32, top-k, renormalized
+    or not, cast to the model dtype; with a row whose top experts are another rank's."""
+    cpp.load()
+    g = torch.Generator().manual_seed(1)
+    E, H, I, k, start, experts = 6, 64, 32, 3, 2, 8
+    fc = torch.stack([gemm.pack((torch.randn(2 * I, H, generator=g) * 0.1).to(dtype))
+                                          for _ in range(E)])
+    proj = torch.stack([gemm.pack((torch.randn(H, I, generator=g) * 0.1).to(dtype)) for _ in range(E)])
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = torch.randn(T, experts, generator=g).to(dtype)
+    logits[-1, :2] += 8.0  # ids 0 and 1, held by another rank, come first
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    want = torch.ops.kiln_cpp.moe(x, ids, weights.to(dtype), fc, None, proj, None, start, I)
+    got = torch.ops.kiln_cpp.moe_routed(x, logits, k, renormalize, fc, None, proj, None, start, I)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="top_k must be in"):
+        torch.ops.kiln_cpp.moe_routed(x, logits, experts + 1, renormalize, fc, None, proj, None, start, I)
+    with pytest.raises(RuntimeError, match="router_logits must be"):
+        torch.ops.kiln_cpp.moe_routed(x, logits[:, :, None], k, renormalize, fc, None, proj, None, start, I)
+
+
 def generate(engine_dir) -> list[list[int]]:
     llm = LLM(engine_dir)
     try:

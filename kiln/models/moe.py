@@ -1,8 +1,8 @@
 """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) on the fused `kiln_cpp::moe` plugin.
 
-The router runs in the graph exactly as HF's: logits in the model dtype (on the GEMM plugin), a
-float32 softmax over all experts, top-k, optionally renormalized (moe.normalization_mode), cast back
-to the model dtype. The experts this rank holds (kiln/convert/layout.py) are packed per expert for
+The router's logits come from the GEMM plugin in the model dtype; the plugin's `moe_routed` routes
+on them exactly as HF does: a float32 softmax over all experts, top-k, optionally renormalized
+(moe.normalization_mode), cast back to the model dtype. The experts this rank holds (kiln/convert/layout.py) are packed per expert for
 the C++ GEMM and stacked; the plugin groups the step's tokens by expert and runs each chosen expert
 once over its tokens. A shared expert (Qwen2-MoE) is a dense MLP on every token, scaled by
 sigmoid(x . shared_expert_gate). The layer returns this rank's partial sum; the caller's all-reduce
@@ -99,14 +99,11 @@ class MoeMLP(nn.Module):
     def forward(self, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
         from kiln.plugins import cpp
 
-        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
         fc, proj = self.fc, self.proj
         xq = x if fc.act_scale is None else quant.quantize_to(x, fc.act_scale, fc.act_dtype).to(x.dtype)
-        out = cpp.op("moe")(xq, ids, weights.to(x.dtype), fc.weight, fc.scale, proj.weight, proj.scale,
-                            self.expert_start, self.inter, fc.group_size, _tactics(fc), _tactics(proj), proj.act_scale)
+        out = cpp.op("moe_routed")(xq, self.router(x), self.top_k, self.renormalize, fc.weight, fc.scale, proj.weight,
+                                   proj.scale, self.expert_start, self.inter, fc.group_size, _tactics(fc),
+                                   _tactics(proj), proj.act_scale)
         if self.shared_gate is not None:
             shared = self.shared_proj(silu_and_mul(self.shared_gate_up(x)))
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared

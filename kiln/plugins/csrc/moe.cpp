@@ -17,6 +17,12 @@
 // experts' rows times its routing weights, in float32. Ids of experts another rank holds (expert
 // parallelism) are skipped: the caller's all-reduce adds those ranks' parts.
 //
+// moe_routed takes the router's logits [T, num_experts] in x's dtype instead of topk_ids and
+// topk_weights and routes as HF's MoE blocks do: a float32 softmax over all experts, the top_k
+// largest (ties, which torch.topk orders as it happens to, to the lower id), renormalized to sum
+// to one if asked, rounded to x's dtype. The graph's own softmax, top-k and cast were five ops and
+// their buffers per layer, on the serial path between a decode step's GEMVs.
+//
 // Few experts (a decode step of few tokens) run their up projections (gate and up, with the
 // activation) in one loop over the thread pool, then their down projections in another; many (a
 // batch, a prefill, 128-expert models) run side by side, one expert per thread at a time, claimed
@@ -33,7 +39,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -99,29 +107,28 @@ void run_together(const std::vector<GemmPlan>& plans) {
   });
 }
 
-at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                   const at::Tensor& fc, const std::optional<at::Tensor>& fc_scale, const at::Tensor& proj,
-                   const std::optional<at::Tensor>& proj_scale, int64_t expert_start, int64_t inter,
-                   int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics,
-                   const std::optional<at::Tensor>& proj_act_scale) {
-  // The views and buffers below never reach autograd: its dispatch keys skipped (here and in each
-  // thread that plans experts) save a microsecond or more per expert and step.
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
+void check_experts(const at::Tensor& x, const at::Tensor& fc, const std::optional<at::Tensor>& fc_scale,
+                   const at::Tensor& proj, const std::optional<at::Tensor>& proj_scale) {
   TORCH_CHECK(x.dim() == 2, kOp, "x must be [tokens, hidden], got ", x.sizes());
-  const int64_t T = x.size(0), H = x.size(1), E = fc.size(0);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_weights.sizes() == topk_ids.sizes(), kOp,
-              "topk_ids and topk_weights must both be [tokens, k] = [", T, ", k], got ", topk_ids.sizes(), " and ",
-              topk_weights.sizes());
+  const int64_t E = fc.size(0);
   TORCH_CHECK(proj.size(0) == E && fc.dim() == 4 && proj.dim() == 4, kOp,
               "fc and proj must stack the same experts' packed weights, got ", fc.sizes(), " and ", proj.sizes());
   for (const auto* t : {&fc, &proj, fc_scale ? &*fc_scale : nullptr, proj_scale ? &*proj_scale : nullptr})
     TORCH_CHECK(t == nullptr || (t->is_contiguous() && t->size(0) == E), kOp,
                 "the stacked experts' weights and scales must be contiguous, one per expert");
+}
+
+// The experts over the step's (token, expert) pairs: id[t * k + j] and w[t * k + j] (float32) are
+// token t's j-th expert and its routing weight.
+at::Tensor run_experts(const at::Tensor& x, const int64_t* id, const float* w, int64_t k, const at::Tensor& fc,
+                       const std::optional<at::Tensor>& fc_scale, const at::Tensor& proj,
+                       const std::optional<at::Tensor>& proj_scale, int64_t expert_start, int64_t inter,
+                       int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics,
+                       const std::optional<at::Tensor>& proj_act_scale) {
+  const int64_t T = x.size(0), H = x.size(1), E = fc.size(0);
   const DType dtype = float_dtype_of(x, kOp, "x");
-  const int64_t k = topk_ids.size(1), elem = x.element_size();
-  const at::Tensor ids = topk_ids.to(at::kLong).contiguous(), weights = topk_weights.to(at::kFloat).contiguous();
+  const int64_t elem = x.element_size();
   const at::Tensor xc = x.contiguous();
-  const int64_t* id = ids.const_data_ptr<int64_t>();
 
   // The (token, slot) pairs of this rank's experts, sorted by expert: slot[t * k + j] is the row of
   // pair (t, j) in the sorted order, -1 for another rank's expert.
@@ -196,7 +203,6 @@ at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Te
   }
 
   at::Tensor out = at::empty({T, H}, x.options());
-  const float* w = weights.const_data_ptr<float>();
   kiln::pool::parallel_for(0, T, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H * k)), [&](int64_t b, int64_t e) {
     const float* y = ys.const_data_ptr<float>();
     switch (dtype) {
@@ -208,11 +214,96 @@ at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Te
   return out;
 }
 
+at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                   const at::Tensor& fc, const std::optional<at::Tensor>& fc_scale, const at::Tensor& proj,
+                   const std::optional<at::Tensor>& proj_scale, int64_t expert_start, int64_t inter,
+                   int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics,
+                   const std::optional<at::Tensor>& proj_act_scale) {
+  // The views and buffers below never reach autograd: its dispatch keys skipped (here and in each
+  // thread that plans experts) save a microsecond or more per expert and step.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_experts(x, fc, fc_scale, proj, proj_scale);
+  const int64_t T = x.size(0);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_weights.sizes() == topk_ids.sizes(), kOp,
+              "topk_ids and topk_weights must both be [tokens, k] = [", T, ", k], got ", topk_ids.sizes(), " and ",
+              topk_weights.sizes());
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous(), weights = topk_weights.to(at::kFloat).contiguous();
+  return run_experts(x, ids.const_data_ptr<int64_t>(), weights.const_data_ptr<float>(), topk_ids.size(1), fc,
+                     fc_scale, proj, proj_scale, expert_start, inter, group_size, fc_tactics, proj_tactics,
+                     proj_act_scale);
+}
+
+// A token's experts from its router logits, as HF's MoE blocks pick them: softmax in float32 over
+// all experts, the top k (sorted, ties to the lower id), optionally renormalized, rounded to T.
+template <typename T>
+void route_rows(const T* logits, int64_t rows, int64_t experts, int64_t k, bool renormalize, int64_t* id,
+                float* w) {
+  std::vector<float> p(experts);
+  std::vector<int64_t> order(experts);
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* l = logits + t * experts;
+    float top = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+    for (int64_t e = 0; e < experts; ++e) top = std::max(top, static_cast<float>(l[e]));
+    for (int64_t e = 0; e < experts; ++e) sum += p[e] = std::exp(static_cast<float>(l[e]) - top);
+    for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    for (int64_t e = 0; e < experts; ++e)  // NaN ranks first, as torch.topk ranks it (and sorts without UB)
+      if (std::isnan(p[e])) p[e] = std::numeric_limits<float>::infinity();
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float chosen = 0.0f;
+    for (int64_t j = 0; j < k; ++j) chosen += p[order[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      id[t * k + j] = order[j];
+      w[t * k + j] = static_cast<float>(static_cast<T>(renormalize ? p[order[j]] / chosen : p[order[j]]));
+    }
+  }
+}
+
+at::Tensor moe_routed_cpu(const at::Tensor& x, const at::Tensor& router_logits, int64_t top_k, bool renormalize,
+                          const at::Tensor& fc, const std::optional<at::Tensor>& fc_scale, const at::Tensor& proj,
+                          const std::optional<at::Tensor>& proj_scale, int64_t expert_start, int64_t inter,
+                          int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics,
+                          const std::optional<at::Tensor>& proj_act_scale) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_experts(x, fc, fc_scale, proj, proj_scale);
+  const int64_t T = x.size(0);
+  TORCH_CHECK(router_logits.dim() == 2 && router_logits.size(0) == T &&
+                  router_logits.scalar_type() == x.scalar_type(), kOp,
+              "router_logits must be [tokens, experts] = [", T, ", experts] in x's dtype ", x.scalar_type(), ", got ",
+              router_logits.sizes(), " ", router_logits.scalar_type());
+  const int64_t experts = router_logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, kOp, "top_k must be in [1, ", experts, "], got ", top_k);
+  std::vector<int64_t> ids(T * top_k);
+  std::vector<float> weights(T * top_k);
+  const at::Tensor logits = router_logits.contiguous();
+  switch (float_dtype_of(x, kOp, "x")) {
+    case DType::Float:
+      route_rows(logits.const_data_ptr<float>(), T, experts, top_k, renormalize, ids.data(), weights.data());
+      break;
+    case DType::BFloat16:
+      route_rows(logits.const_data_ptr<c10::BFloat16>(), T, experts, top_k, renormalize, ids.data(), weights.data());
+      break;
+    default:
+      route_rows(logits.const_data_ptr<c10::Half>(), T, experts, top_k, renormalize, ids.data(), weights.data());
+  }
+  return run_experts(x, ids.data(), weights.data(), top_k, fc, fc_scale, proj, proj_scale, expert_start, inter,
+                     group_size, fc_tactics, proj_tactics, proj_act_scale);
+}
+
 at::Tensor moe_meta(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                     const at::Tensor& fc, const std::optional<at::Tensor>& fc_scale, const at::Tensor& proj,
                     const std::optional<at::Tensor>& proj_scale, int64_t expert_start, int64_t inter,
                     int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics,
                     const std::optional<at::Tensor>& proj_act_scale) {
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
+at::Tensor moe_routed_meta(const at::Tensor& x, const at::Tensor& router_logits, int64_t top_k, bool renormalize,
+                           const at::Tensor& fc, const std::optional<at::Tensor>& fc_scale, const at::Tensor& proj,
+                           const std::optional<at::Tensor>& proj_scale, int64_t expert_start, int64_t inter,
+                           int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics,
+                           const std::optional<at::Tensor>& proj_act_scale) {
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
@@ -224,8 +315,18 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
         "Tensor? proj_scale, int expert_start, int inter, int group_size=0, int[] fc_tactics=[], "
         "int[] proj_tactics=[], Tensor? proj_act_scale=None) -> Tensor",
         {at::Tag::pt2_compliant_tag});
+  m.def("moe_routed(Tensor x, Tensor router_logits, int top_k, bool renormalize, Tensor fc, Tensor? fc_scale, "
+        "Tensor proj, Tensor? proj_scale, int expert_start, int inter, int group_size=0, int[] fc_tactics=[], "
+        "int[] proj_tactics=[], Tensor? proj_act_scale=None) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
 }
 
-TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) { m.impl("moe", &kiln::moe_cpu); }
+TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) {
+  m.impl("moe", &kiln::moe_cpu);
+  m.impl("moe_routed", &kiln::moe_routed_cpu);
+}
 
-TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) { m.impl("moe", &kiln::moe_meta); }
+TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) {
+  m.impl("moe", &kiln::moe_meta);
+  m.impl("moe_routed", &kiln::moe_routed_meta);
+}

@@ -2,11 +2,11 @@
 
 The router's logits come from the GEMM plugin in the model dtype; the plugin's `moe_routed` routes
 on them exactly as HF does: a float32 softmax over all experts, top-k, optionally renormalized
-(moe.normalization_mode), cast back to the model dtype. The experts this rank holds (kiln/convert/layout.py) are packed per expert for
-the C++ GEMM and stacked; the plugin groups the step's tokens by expert and runs each chosen expert
-once over its tokens. A shared expert (Qwen2-MoE) is a dense MLP on every token, scaled by
-sigmoid(x . shared_expert_gate). The layer returns this rank's partial sum; the caller's all-reduce
-completes it across ranks.
+(moe.normalization_mode), cast back to the model dtype. The experts this rank holds
+(kiln/convert/layout.py) are packed per expert for the C++ GEMM and stacked; the plugin groups the
+step's tokens by expert and runs each chosen expert once over its tokens. A shared expert
+(Qwen2-MoE) is a dense MLP on every token, scaled by sigmoid(x . shared_expert_gate). The layer
+returns this rank's partial sum; the caller's all-reduce completes it across ranks.
 """
 import torch
 import torch.nn.functional as F

@@ -80,8 +80,7 @@ def test_moe_routed_routes_as_hf(dtype, renormalize, T):
     cpp.load()
     g = torch.Generator().manual_seed(1)
     E, H, I, k, start, experts = 6, 64, 32, 3, 2, 8
-    fc = torch.stack([gemm.pack((torch.randn(2 * I, H, generator=g) * 0.1).to(dtype))
-                                          for _ in range(E)])
+    fc = torch.stack([gemm.pack((torch.randn(2 * I, H, generator=g) * 0.1).to(dtype)) for _ in range(E)])
     proj = torch.stack([gemm.pack((torch.randn(H, I, generator=g) * 0.1).to(dtype)) for _ in range(E)])
     x = torch.randn(T, H, generator=g).to(dtype)
     logits = torch.randn(T, experts, generator=g).to(dtype)

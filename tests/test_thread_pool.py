@@ -1,6 +1,7 @@
 """The kiln_cpp kernels' thread pool (csrc/thread_pool.h): chunks claimed dynamically give the same
 results as a static split for every thread count (GEMM, paged attention, sampler); the pool follows
-torch's thread count; it survives fork; and an engine step runs the graph's own loops on one thread."""
+torch's thread count; it survives fork; an engine step runs the graph's own loops on one thread; and
+decode GEMMs learn the next weight for the pool's prefetch."""
 import multiprocessing
 
 import pytest
@@ -20,7 +21,7 @@ def pool_settings():
     yield
     torch.set_num_threads(before)
     torch.ops.kiln_cpp.set_num_threads(0)
-    torch.ops.kiln_cpp.set_parallel_options("dynamic", 50)
+    torch.ops.kiln_cpp.set_parallel_options("dynamic", 50, 2048)
 
 
 def _each_split(run):
@@ -89,7 +90,7 @@ def test_pool_follows_torch_threads_unless_set(pool_settings):
     with pytest.raises(RuntimeError, match="schedule must be 'dynamic' or 'static'"):
         torch.ops.kiln_cpp.set_parallel_options("guided")
     torch.ops.kiln_cpp.set_parallel_options("dynamic", 7)
-    assert torch.ops.kiln_cpp.parallel_options() == "dynamic spin_us=7"
+    assert torch.ops.kiln_cpp.parallel_options().startswith("dynamic spin_us=7 ")
 
 
 def _gemm_in_child(queue, args):
@@ -133,3 +134,40 @@ def test_engine_step_runs_graph_loops_serially(engine, monkeypatch):
     monkeypatch.setenv("KILN_GRAPH_LOOPS", "fast")
     with pytest.raises(ValueError, match="KILN_GRAPH_LOOPS must be 'serial' or 'parallel'"):
         serial_graph_loops(path)
+
+
+def test_decode_gemms_learn_the_next_weight(pool_settings):
+    """Each GEMV learns the weight that followed it, which the pool's waiting threads then prefetch
+    (csrc/thread_pool.h); a prefill's GEMMs take no part, and prefetching changes no result."""
+    from kiln.plugins import tactics
+
+    torch.set_num_threads(2)
+    a, _, _, _ = _weights("bfloat16", 300, 128)
+    b, b_scale, g, _ = _weights("int4", 256, 128, seed=1)
+    up, _, _, _ = _weights("bfloat16", 256, 128, seed=2)
+    x = torch.randn(1, 128).bfloat16()
+    ids = tactics.kernel_ids()
+    fused = ids["avx512_bf16"] in torch.ops.kiln_cpp.gemm_kernels(up, torch.bfloat16)
+    up_kernel = [1 << 62, ids["avx512_bf16"] if fused else ids["portable"]]  # pairs gate and up panels or not
+
+    def step():
+        return (gemm.gemm(x, a, None, None, 300), gemm.gemm(x, b, b_scale, None, 256, g),
+                gemm.gemm_swiglu(x, up, None, None, 256, 0, up_kernel))
+
+    def next_of(w):
+        return tuple(torch.ops.kiln_cpp.next_weight(w))
+
+    expected = None
+    for kb in (0, 2048, 1, 2048):
+        torch.ops.kiln_cpp.set_parallel_options("dynamic", 50, kb)
+        out = step()
+        expected = expected or out
+        assert all(torch.equal(o, e) for o, e in zip(out, expected)), kb
+    assert next_of(a) == (b.data_ptr(), b.nbytes, 1)
+    assert next_of(b) == (up.data_ptr(), up.nbytes, 2 if fused else 1)
+    assert next_of(up) == (a.data_ptr(), a.nbytes, 1)
+    gemm.gemm(torch.randn(64, 128).bfloat16(), b, b_scale, None, 256, g)  # a prefill's: not learned
+    gemm.gemm(x, up, None, None, 256)
+    assert next_of(up) == (a.data_ptr(), a.nbytes, 1)
+    assert next_of(b) == (up.data_ptr(), up.nbytes, 2 if fused else 1)
+    assert torch.ops.kiln_cpp.parallel_options() == "dynamic spin_us=50 prefetch_kb=2048"

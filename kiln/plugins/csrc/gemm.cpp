@@ -472,7 +472,12 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::op
                     c10::IntArrayRef tactics, bool swiglu) {
   thread_local GemmBuffers buffers;
   const GemmPlan plan(x, weight, scale, bias, n, group_size, out_float, tactics, swiglu, buffers);
+  // A few rows: a GEMV that streams the weight, worth fetching ahead (thread_pool.h).
+  const bool streams = x.dim() > 0 && x.numel() <= kPrefetchRows * x.size(-1);
+  const void* w = weight.const_data_ptr();
+  if (streams) kiln::pool::weight_begins(w, weight.numel() * weight.element_size(), plan.weight_parts());
   kiln::pool::parallel_for(0, plan.items(), 1, [&](int64_t begin, int64_t end) { plan.run(begin, end); });
+  if (streams) kiln::pool::weight_ends(w);
   return plan.result();
 }
 

@@ -11,6 +11,10 @@
 
 namespace kiln {
 
+// Up to this many rows a GEMM streams its weight (bandwidth-bound): it takes part in the pool's
+// prefetch of the next weight (kiln::pool::weight_begins).
+constexpr int64_t kPrefetchRows = 16;
+
 // Where a GEMM's x goes once converted for its kernel (float32, padded bf16, int8 with block scales
 // and compensations). Grown, never shrunk: calls reuse them.
 struct GemmBuffers {
@@ -31,6 +35,8 @@ class GemmPlan {
            const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
            c10::IntArrayRef tactics, bool swiglu, GemmBuffers& buffers);
   int64_t items() const { return items_; }
+  // The equal parts of the weight that items() splits alike: 2 when gate and up panels run together.
+  int weight_parts() const { return fused_ ? 2 : 1; }
   void run(int64_t begin, int64_t end) const;
   at::Tensor result() const;
 

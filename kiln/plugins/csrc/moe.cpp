@@ -287,8 +287,14 @@ at::Tensor moe_routed_cpu(const at::Tensor& x, const at::Tensor& router_logits, 
     default:
       route_rows(logits.const_data_ptr<c10::Half>(), T, experts, top_k, renormalize, ids.data(), weights.data());
   }
-  return run_experts(x, ids.data(), weights.data(), top_k, fc, fc_scale, proj, proj_scale, expert_start, inter,
-                     group_size, fc_tactics, proj_tactics, proj_act_scale);
+  // Which experts come is known only here: the op takes its place in the weights' order (it ends a
+  // serial stretch, and the next layer's weights follow it) with nothing to fetch ahead itself.
+  const bool streams = T <= kPrefetchRows;
+  if (streams) kiln::pool::weight_begins(fc.const_data_ptr(), 0, 1);
+  at::Tensor out = run_experts(x, ids.data(), weights.data(), top_k, fc, fc_scale, proj, proj_scale, expert_start,
+                               inter, group_size, fc_tactics, proj_tactics, proj_act_scale);
+  if (streams) kiln::pool::weight_ends(fc.const_data_ptr());
+  return out;
 }
 
 at::Tensor moe_meta(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,

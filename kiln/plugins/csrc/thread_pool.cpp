@@ -30,6 +30,7 @@
 #include <new>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace kiln::pool {
@@ -104,6 +105,16 @@ struct Pool {
   std::vector<std::thread> threads;
   std::atomic<int> target{0};  // 0: follow torch's intra-op threads (at::get_num_threads())
   std::atomic<int> spin{env_int("KILN_SPIN_US", 50)};
+  // The request weight_ends posts: the next weights (each in equal parts), new when prefetch_gen
+  // moves. A thread may read fields of two requests: a prefetch never faults, and the cap bounds it.
+  static constexpr int kAhead = 4;
+  std::atomic<uint32_t> prefetch_gen{0};
+  std::atomic<int> prefetch_count{0};
+  std::atomic<const char*> prefetch_data[kAhead] = {};
+  std::atomic<int64_t> prefetch_size[kAhead] = {};
+  std::atomic<int> prefetch_parts[kAhead] = {};
+  std::atomic<int64_t> prefetch_cap{int64_t{env_int("KILN_PREFETCH_KB", 2048)} * 1024};
+  std::atomic<int> workers{0};
   std::atomic<bool> static_schedule{std::getenv("KILN_PARALLEL_SCHEDULE") != nullptr &&
                                     std::string(std::getenv("KILN_PARALLEL_SCHEDULE")) == "static"};
 
@@ -142,11 +153,62 @@ struct Pool {
     }
   }
 
+  // A thread's shares of the current prefetch request, fetched 4 KiB at a time.
+  struct Prefetch {
+    uint32_t gen = 0;
+    int count = 0, next = 0;
+    const char* at[2 * kAhead] = {};
+    const char* stop[2 * kAhead] = {};
+
+    bool step() {  // false once nothing is left
+      while (next < count && at[next] >= stop[next]) ++next;
+      if (next >= count) return false;
+      const char* e = std::min(at[next] + 4096, stop[next]);
+      for (const char* p = at[next]; p < e; p += 64) __builtin_prefetch(p, 0, 2);
+      at[next] = e;
+      return true;
+    }
+  };
+
+  void take_prefetch(int self, Prefetch& f) {
+    const uint32_t gen = prefetch_gen.load(std::memory_order_acquire);
+    if (gen == f.gen) return;
+    f.gen = gen;
+    f.count = f.next = 0;
+    int64_t budget = prefetch_cap.load();
+    const int64_t n = capacity;
+    for (int w = 0; w < std::clamp(prefetch_count.load(), 0, kAhead) && budget > 0; ++w) {
+      const char* data = prefetch_data[w].load();
+      const int parts = std::clamp(prefetch_parts[w].load(), 1, 2);
+      const int64_t part = prefetch_size[w].load() / parts;
+      for (int p = 0; p < parts; ++p) {
+        const int64_t first = part * self / n, bytes = std::min(budget, part * (self + 1) / n - first);
+        f.at[f.count] = data + p * part + first;
+        f.stop[f.count++] = data + p * part + first + bytes;
+        budget -= bytes;
+      }
+    }
+  }
+
   void worker(int self, uint32_t seen) {  // seen: the generation before the thread's first loop
     in_loop = true;  // a loop inside a chunk runs inline
     uint32_t last_gen = 0;
+    Prefetch fetch;
+    fetch.gen = prefetch_gen.load();
     for (;;) {
-      if (!spin_until([&] { return generation.load(std::memory_order_acquire) != seen; }, spin.load())) {
+      // Spins for the next loop, fetching the next weight meanwhile, then sleeps.
+      const int us = spin.load();
+      const auto deadline = Clock::now() + std::chrono::microseconds(us);
+      bool started = generation.load(std::memory_order_acquire) != seen;
+      for (int i = 1; !started && us > 0; ++i) {
+        take_prefetch(self, fetch);
+        if (!fetch.step()) {
+          cpu_relax();
+          if ((i & 63) == 0 && Clock::now() > deadline) break;
+        }
+        started = generation.load(std::memory_order_acquire) != seen;
+      }
+      if (!started) {
         sleepers.fetch_add(1);
         if (generation.load() == seen) futex_wait(&generation, seen);
         sleepers.fetch_sub(1);
@@ -154,6 +216,8 @@ struct Pool {
       }
       seen = generation.load(std::memory_order_acquire);
       if (stop.load()) return;
+      fetch.gen = prefetch_gen.load();  // the loop reads what is left itself, and any request before it
+      fetch.count = 0;
       participate(self, last_gen);
     }
   }
@@ -170,6 +234,7 @@ struct Pool {
     capacity = n;
     const uint32_t seen = generation.load();
     for (int i = 1; i < n; ++i) threads.emplace_back([this, i, seen] { worker(i, seen); });
+    workers.store(n - 1);
   }
 
   void run(int64_t b, int64_t e, int64_t grain, bool exact, int n, const std::function<void(int64_t, int64_t)>& f) {
@@ -219,6 +284,7 @@ Pool* pool() {
       new (new char[sizeof(std::vector<std::thread>)]) std::vector<std::thread>(std::move(q->threads));
       q->threads = std::vector<std::thread>();
       q->sleepers.store(0);
+      q->workers.store(0);
       q->caller_sleeping.store(false);
     });
     return created;
@@ -243,6 +309,42 @@ void set_schedule(Schedule s) { pool()->static_schedule.store(s == Schedule::Sta
 Schedule schedule() { return pool()->static_schedule.load() ? Schedule::Static : Schedule::Dynamic; }
 void set_spin_us(int us) { pool()->spin.store(std::max(0, us)); }
 int spin_us() { return pool()->spin.load(); }
+void set_prefetch_bytes(int64_t bytes) { pool()->prefetch_cap.store(std::max<int64_t>(0, bytes)); }
+int64_t prefetch_bytes() { return pool()->prefetch_cap.load(); }
+
+namespace {
+struct NextWeight {
+  const void* data = nullptr;
+  int64_t bytes = 0;
+  int parts = 1;
+};
+// Per calling thread: an engine's step runs on one.
+thread_local std::unordered_map<const void*, NextWeight> next_weight;
+thread_local const void* last_weight = nullptr;
+}  // namespace
+
+void weight_begins(const void* weight, int64_t bytes, int parts) {
+  if (last_weight != nullptr && last_weight != weight) {
+    if (next_weight.size() >= 65536) next_weight.clear();  // engines come and go: forget theirs
+    next_weight[last_weight] = {weight, bytes, parts};
+  }
+  last_weight = weight;
+}
+
+void weight_ends(const void* weight) {
+  Pool* p = pool();
+  if (p->workers.load() == 0 || p->prefetch_cap.load() == 0) return;
+  int count = 0;
+  for (auto it = next_weight.find(weight); count < Pool::kAhead && it != next_weight.end() && it->second.bytes > 0;
+       it = next_weight.find(it->second.data), ++count) {
+    p->prefetch_data[count].store(static_cast<const char*>(it->second.data));
+    p->prefetch_size[count].store(it->second.bytes);
+    p->prefetch_parts[count].store(it->second.parts);
+  }
+  if (count == 0) return;
+  p->prefetch_count.store(count);
+  p->prefetch_gen.fetch_add(1, std::memory_order_release);
+}
 
 namespace {
 
@@ -283,15 +385,25 @@ void set_threads_op(int64_t n) { set_num_threads(static_cast<int>(n)); }
 
 int64_t num_threads_op() { return num_threads(); }
 
-void set_parallel_options_op(std::string schedule_name, int64_t spin) {
+void set_parallel_options_op(std::string schedule_name, int64_t spin, int64_t prefetch_kb) {
   TORCH_CHECK(schedule_name == "dynamic" || schedule_name == "static",
               "kiln_cpp::set_parallel_options: schedule must be 'dynamic' or 'static', got '", schedule_name, "'");
   set_schedule(schedule_name == "static" ? Schedule::Static : Schedule::Dynamic);
   if (spin >= 0) set_spin_us(static_cast<int>(spin));
+  if (prefetch_kb >= 0) set_prefetch_bytes(prefetch_kb * 1024);
 }
 
 std::string parallel_options_op() {
-  return std::string(schedule() == Schedule::Static ? "static" : "dynamic") + " spin_us=" + std::to_string(spin_us());
+  return std::string(schedule() == Schedule::Static ? "static" : "dynamic") + " spin_us=" + std::to_string(spin_us()) +
+         " prefetch_kb=" + std::to_string(prefetch_bytes() / 1024);
+}
+
+// The weight that followed `weight` on this thread last time, as (address, bytes, parts); (0, 0, 0)
+// if none is known (tests).
+std::vector<int64_t> next_weight_op(const at::Tensor& weight) {
+  const auto it = next_weight.find(weight.const_data_ptr());
+  if (it == next_weight.end()) return {0, 0, 0};
+  return {reinterpret_cast<int64_t>(it->second.data), it->second.bytes, it->second.parts};
 }
 
 // An engine step's scope (kiln/engine/loader.py): the compiled graph's OpenMP loops run on the
@@ -314,7 +426,9 @@ void serial_loops_end_op(int64_t previous) {
 TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
   m.def("set_num_threads(int n) -> ()", &kiln::pool::set_threads_op);
   m.def("num_threads() -> int", &kiln::pool::num_threads_op);
-  m.def("set_parallel_options(str schedule, int spin_us=-1) -> ()", &kiln::pool::set_parallel_options_op);
+  m.def("set_parallel_options(str schedule, int spin_us=-1, int prefetch_kb=-1) -> ()",
+        &kiln::pool::set_parallel_options_op);
+  m.def("next_weight(Tensor weight) -> int[]", &kiln::pool::next_weight_op);
   m.def("parallel_options() -> str", &kiln::pool::parallel_options_op);
   m.def("serial_loops_begin() -> int", &kiln::pool::serial_loops_begin_op);
   m.def("serial_loops_end(int previous) -> ()", &kiln::pool::serial_loops_end_op);

@@ -33,6 +33,22 @@ Schedule schedule();
 void set_spin_us(int us);
 int spin_us();
 
+// Batch-1 decode alternates GEMVs, which stream their weights from memory on every thread, with
+// serial work (norms, rotary, attention, each op's dispatch, the host between steps) while the
+// pool's threads wait and the memory idles. An op that streams a weight calls weight_begins before
+// it (the weight, its bytes, and the equal parts its loop's items split them into: gemm_swiglu's
+// gate and up halves make 2) and weight_ends after. The calling thread learns from these which
+// weight follows which; at weight_ends each waiting thread prefetches, until the next loop starts,
+// the shares of the next weights (up to 4 of them, up to prefetch_bytes in all) that it will take
+// (parallel_for gives thread t the t-th share of a loop first), so that its part of those GEMVs
+// starts from its own cache. An op whose weights are not known ahead (a mixture of experts'
+// routed experts) passes bytes 0: the fetching ahead stops there.
+void weight_begins(const void* weight, int64_t bytes, int parts);
+void weight_ends(const void* weight);
+// The bytes each thread prefetches at a weight_ends (0: none); KILN_PREFETCH_KB sets the default, 2 MiB.
+void set_prefetch_bytes(int64_t bytes);
+int64_t prefetch_bytes();
+
 // fn(b, e) over [begin, end) in chunks of at least `grain` items, as at::parallel_for. Runs inline
 // when the range is one chunk, when called from inside a loop, or while another thread's loop
 // holds the pool.

@@ -40,6 +40,7 @@ using Clock = std::chrono::steady_clock;
 constexpr uint64_t kField = 0xFFFF;
 constexpr int64_t kMaxChunks = kField;
 constexpr int64_t kChunksPerThread = 4;  // enough that a late thread's share spreads over the others
+constexpr int kStepLinger = 8;  // after step_ends, idle threads spin this many times spin_us
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
@@ -115,6 +116,8 @@ struct Pool {
   std::atomic<int> prefetch_parts[kAhead] = {};
   std::atomic<int64_t> prefetch_cap{int64_t{env_int("KILN_PREFETCH_KB", 2048)} * 1024};
   std::atomic<int> workers{0};
+  // Until when (Clock ticks) idle threads spin for the next engine step (step_ends).
+  std::atomic<int64_t> linger_until{0};
   std::atomic<bool> static_schedule{std::getenv("KILN_PARALLEL_SCHEDULE") != nullptr &&
                                     std::string(std::getenv("KILN_PARALLEL_SCHEDULE")) == "static"};
 
@@ -198,13 +201,16 @@ struct Pool {
     for (;;) {
       // Spins for the next loop, fetching the next weight meanwhile, then sleeps.
       const int us = spin.load();
-      const auto deadline = Clock::now() + std::chrono::microseconds(us);
+      auto deadline = Clock::now() + std::chrono::microseconds(us);
       bool started = generation.load(std::memory_order_acquire) != seen;
       for (int i = 1; !started && us > 0; ++i) {
         take_prefetch(self, fetch);
         if (!fetch.step()) {
           cpu_relax();
-          if ((i & 63) == 0 && Clock::now() > deadline) break;
+          if ((i & 63) == 0 && Clock::now() > deadline) {
+            deadline = std::max(deadline, Clock::time_point(Clock::duration(linger_until.load())));
+            if (Clock::now() > deadline) break;
+          }
         }
         started = generation.load(std::memory_order_acquire) != seen;
       }
@@ -309,6 +315,12 @@ void set_schedule(Schedule s) { pool()->static_schedule.store(s == Schedule::Sta
 Schedule schedule() { return pool()->static_schedule.load() ? Schedule::Static : Schedule::Dynamic; }
 void set_spin_us(int us) { pool()->spin.store(std::max(0, us)); }
 int spin_us() { return pool()->spin.load(); }
+void step_ends() {
+  Pool* p = pool();
+  const auto until = Clock::now() + std::chrono::microseconds(int64_t{kStepLinger} * p->spin.load());
+  p->linger_until.store(until.time_since_epoch().count());
+}
+
 void set_prefetch_bytes(int64_t bytes) { pool()->prefetch_cap.store(std::max<int64_t>(0, bytes)); }
 int64_t prefetch_bytes() { return pool()->prefetch_cap.load(); }
 
@@ -416,6 +428,7 @@ int64_t serial_loops_begin_op() {
 }
 
 void serial_loops_end_op(int64_t previous) {
+  step_ends();
   scoped_threads = 0;
   omp_set_num_threads(static_cast<int>(std::max<int64_t>(1, previous)));
 }

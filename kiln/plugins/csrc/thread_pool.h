@@ -29,6 +29,11 @@ enum class Schedule { Dynamic, Static };
 void set_schedule(Schedule s);
 Schedule schedule();
 
+// An engine step has ended: the idle threads spin for the next one's loops 8x spin_us instead of
+// spin_us, over the host's work between steps (a few hundred microseconds at batch 1), so that the
+// next step does not start by waiting for a futex wake-up.
+void step_ends();
+
 // How long an idle thread spins for the next loop before it sleeps, in microseconds.
 void set_spin_us(int us);
 int spin_us();

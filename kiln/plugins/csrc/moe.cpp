@@ -127,6 +127,11 @@ at::Tensor run_experts(const at::Tensor& x, const int64_t* id, const float* w, i
                        const std::optional<at::Tensor>& proj_act_scale) {
   const int64_t T = x.size(0), H = x.size(1), E = fc.size(0);
   const DType dtype = float_dtype_of(x, kOp, "x");
+  // Which experts come is known only here: a decode step's experts take their place in the weights'
+  // order (they end a serial stretch, and the next layer's weights follow them) with nothing to
+  // fetch ahead themselves (kiln::pool::weight_begins).
+  const bool streams = T <= kPrefetchRows;
+  if (streams) kiln::pool::weight_begins(fc.const_data_ptr(), 0, 1);
   const int64_t elem = x.element_size();
   const at::Tensor xc = x.contiguous();
 
@@ -211,6 +216,7 @@ at::Tensor run_experts(const at::Tensor& x, const int64_t* id, const float* w, i
       default: return combine_rows(y, slot.data(), w, k, H, b, e, out.mutable_data_ptr<c10::Half>());
     }
   });
+  if (streams) kiln::pool::weight_ends(fc.const_data_ptr());
   return out;
 }
 
@@ -287,14 +293,8 @@ at::Tensor moe_routed_cpu(const at::Tensor& x, const at::Tensor& router_logits, 
     default:
       route_rows(logits.const_data_ptr<c10::Half>(), T, experts, top_k, renormalize, ids.data(), weights.data());
   }
-  // Which experts come is known only here: the op takes its place in the weights' order (it ends a
-  // serial stretch, and the next layer's weights follow it) with nothing to fetch ahead itself.
-  const bool streams = T <= kPrefetchRows;
-  if (streams) kiln::pool::weight_begins(fc.const_data_ptr(), 0, 1);
-  at::Tensor out = run_experts(x, ids.data(), weights.data(), top_k, fc, fc_scale, proj, proj_scale, expert_start,
-                               inter, group_size, fc_tactics, proj_tactics, proj_act_scale);
-  if (streams) kiln::pool::weight_ends(fc.const_data_ptr());
-  return out;
+  return run_experts(x, ids.data(), weights.data(), top_k, fc, fc_scale, proj, proj_scale, expert_start, inter,
+                     group_size, fc_tactics, proj_tactics, proj_act_scale);
 }
 
 at::Tensor moe_meta(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,

@@ -53,6 +53,16 @@ def serial_graph_loops(engine_dir: Path) -> bool:
     return mode == "serial" and plugins.get("gemm_plugin") == "cpp" and plugins.get("gpt_attention_plugin") == "cpp"
 
 
+def use_caching_allocator() -> None:
+    """CPU tensors from kiln_cpp's caching allocator (kiln/plugins/csrc/cpu_allocator.cpp): a step's
+    few hundred buffers come from its free lists instead of glibc's arena, unless
+    $KILN_CPU_ALLOCATOR=system."""
+    choice = os.environ.get("KILN_CPU_ALLOCATOR", "caching")
+    if choice not in ("caching", "system"):
+        raise ValueError(f"KILN_CPU_ALLOCATOR must be 'caching' or 'system', got {choice!r}")
+    torch.ops.kiln_cpp.use_caching_allocator(choice == "caching")
+
+
 def load(backend: str, path: Path, unpacked: Path | None = None):
     """A callable taking the step inputs as keyword arguments and returning logits.
 
@@ -65,6 +75,7 @@ def load(backend: str, path: Path, unpacked: Path | None = None):
         from kiln.plugins import cpp
 
         cpp.ensure_built()  # registers the kiln_cpp:: ops (building them once if this machine has not)
+        use_caching_allocator()
     if backend == "aoti":
         # The loader itself: aoti_load_package cannot take a folder, and given a file object (a
         # path would have to end in .pt2) it first copies the whole package to a temporary file.

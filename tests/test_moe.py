@@ -76,7 +76,8 @@ def test_moe_op_matches_the_per_expert_loop(fmt, T, kernel):
                                                   (torch.bfloat16, False, 40), (torch.float16, True, 2)])
 def test_moe_routed_routes_as_hf(dtype, renormalize, T):
     """moe_routed from router logits = moe from HF's routing: softmax in float32, top-k, renormalized
-    or not, cast to the model dtype; with a row whose top experts are another rank's."""
+    or not, cast to the model dtype; with a row whose top experts are another rank's. moe_gated from
+    the router's weight = moe_routed from its logits."""
     cpp.load()
     g = torch.Generator().manual_seed(1)
     E, H, I, k, start, experts = 6, 64, 32, 3, 2, 8
@@ -92,6 +93,12 @@ def test_moe_routed_routes_as_hf(dtype, renormalize, T):
     want = torch.ops.kiln_cpp.moe(x, ids, weights.to(dtype), fc, None, proj, None, start, I)
     got = torch.ops.kiln_cpp.moe_routed(x, logits, k, renormalize, fc, None, proj, None, start, I)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+    # moe_gated: the router GEMM inside the op, the logits kiln_cpp::gemm gives
+    router = gemm.pack((torch.randn(experts, H, generator=g) * 0.5).to(dtype))
+    logits = torch.ops.kiln_cpp.gemm(x, router, None, None, experts, 0, False, [1 << 62, 0])
+    gated = torch.ops.kiln_cpp.moe_gated(x, router, experts, [1 << 62, 0], k, renormalize, fc, None, proj, None, start, I)
+    torch.testing.assert_close(gated, torch.ops.kiln_cpp.moe_routed(x, logits, k, renormalize, fc, None, proj, None,
+                                                                    start, I), atol=0, rtol=0)
     with pytest.raises(RuntimeError, match="top_k must be in"):
         torch.ops.kiln_cpp.moe_routed(x, logits, experts + 1, renormalize, fc, None, proj, None, start, I)
     with pytest.raises(RuntimeError, match="router_logits must be"):

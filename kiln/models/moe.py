@@ -1,7 +1,8 @@
 """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) on the fused `kiln_cpp::moe` plugin.
 
-The router's logits come from the GEMM plugin in the model dtype; the plugin's `moe_routed` routes
-on them exactly as HF does: a float32 softmax over all experts, top-k, optionally renormalized
+The router's logits come from the GEMM plugin in the model dtype (inside the plugin's `moe_gated`
+where the router is packed, else from the model's Linear); `moe_gated` and `moe_routed` route on
+them exactly as HF does: a float32 softmax over all experts, top-k, optionally renormalized
 (moe.normalization_mode), cast back to the model dtype. The experts this rank holds
 (kiln/convert/layout.py) are packed per expert for the C++ GEMM and stacked; the plugin groups the
 step's tokens by expert and runs each chosen expert once over its tokens. A shared expert
@@ -99,11 +100,15 @@ class MoeMLP(nn.Module):
     def forward(self, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
         from kiln.plugins import cpp
 
-        fc, proj = self.fc, self.proj
-        xq = x if fc.act_scale is None else quant.quantize_to(x, fc.act_scale, fc.act_dtype).to(x.dtype)
-        out = cpp.op("moe_routed")(xq, self.router(x), self.top_k, self.renormalize, fc.weight, fc.scale, proj.weight,
-                                   proj.scale, self.expert_start, self.inter, fc.group_size, _tactics(fc),
-                                   _tactics(proj), proj.act_scale)
+        fc, proj, router = self.fc, self.proj, self.router
+        experts = (fc.weight, fc.scale, proj.weight, proj.scale, self.expert_start, self.inter, fc.group_size,
+                   _tactics(fc), _tactics(proj), proj.act_scale)
+        if isinstance(router, PackedLinear) and fc.act_scale is None:  # the router GEMM inside the op
+            out = cpp.op("moe_gated")(x, router.weight, router.n, _tactics(router), self.top_k, self.renormalize,
+                                      *experts)
+        else:  # FP8 experts take x on their grid, the router x itself
+            xq = x if fc.act_scale is None else quant.quantize_to(x, fc.act_scale, fc.act_dtype).to(x.dtype)
+            out = cpp.op("moe_routed")(xq, router(x), self.top_k, self.renormalize, *experts)
         if self.shared_gate is not None:
             shared = self.shared_proj(silu_and_mul(self.shared_gate_up(x)))
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared

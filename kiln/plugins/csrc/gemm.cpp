@@ -465,8 +465,6 @@ void GemmPlan::run(int64_t begin, int64_t end) const {
 
 at::Tensor GemmPlan::result() const { return swiglu_ && !fused_ ? swiglu_of(out_) : out_; }
 
-namespace {
-
 at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
                     c10::IntArrayRef tactics, bool swiglu) {
@@ -480,6 +478,8 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::op
   if (streams) kiln::pool::weight_ends(w);
   return plan.result();
 }
+
+namespace {
 
 at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,

@@ -48,6 +48,11 @@ class GemmPlan {
   at::Tensor out_, xc_, scale_, bias_;
 };
 
+// kiln_cpp::gemm (gemm_swiglu when swiglu) over the thread pool.
+at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                    const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
+                    c10::IntArrayRef tactics, bool swiglu);
+
 // The format of a packed weight, by its dtype (gemm.cpp's header has the layouts).
 WeightFormat format_of(const at::Tensor& w);
 OutType out_type_of(at::ScalarType t);

@@ -23,6 +23,10 @@
 // to one if asked, rounded to x's dtype. The graph's own softmax, top-k and cast were five ops and
 // their buffers per layer, on the serial path between a decode step's GEMVs.
 //
+// moe_gated takes the router's packed weight (unquantized, [num_experts, H]) and its tactics instead
+// of the logits and runs the router GEMM itself, as kiln_cpp::gemm would: one call less per layer
+// on a decode step's serial path.
+//
 // Few experts (a decode step of few tokens) run their up projections (gate and up, with the
 // activation) in one loop over the thread pool, then their down projections in another; many (a
 // batch, a prefill, 128-expert models) run side by side, one expert per thread at a time, claimed
@@ -297,6 +301,19 @@ at::Tensor moe_routed_cpu(const at::Tensor& x, const at::Tensor& router_logits, 
                      group_size, fc_tactics, proj_tactics, proj_act_scale);
 }
 
+at::Tensor moe_gated_cpu(const at::Tensor& x, const at::Tensor& router, int64_t num_experts,
+                         c10::IntArrayRef router_tactics, int64_t top_k, bool renormalize, const at::Tensor& fc,
+                         const std::optional<at::Tensor>& fc_scale, const at::Tensor& proj,
+                         const std::optional<at::Tensor>& proj_scale, int64_t expert_start, int64_t inter,
+                         int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics,
+                         const std::optional<at::Tensor>& proj_act_scale) {
+  TORCH_CHECK(x.dim() == 2, kOp, "x must be [tokens, hidden], got ", x.sizes());
+  const at::Tensor logits =
+      run_gemm(x, router, std::nullopt, std::nullopt, num_experts, 0, false, router_tactics, false);
+  return moe_routed_cpu(x, logits, top_k, renormalize, fc, fc_scale, proj, proj_scale, expert_start, inter,
+                        group_size, fc_tactics, proj_tactics, proj_act_scale);
+}
+
 at::Tensor moe_meta(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                     const at::Tensor& fc, const std::optional<at::Tensor>& fc_scale, const at::Tensor& proj,
                     const std::optional<at::Tensor>& proj_scale, int64_t expert_start, int64_t inter,
@@ -313,6 +330,15 @@ at::Tensor moe_routed_meta(const at::Tensor& x, const at::Tensor& router_logits,
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
+at::Tensor moe_gated_meta(const at::Tensor& x, const at::Tensor& router, int64_t num_experts,
+                          c10::IntArrayRef router_tactics, int64_t top_k, bool renormalize, const at::Tensor& fc,
+                          const std::optional<at::Tensor>& fc_scale, const at::Tensor& proj,
+                          const std::optional<at::Tensor>& proj_scale, int64_t expert_start, int64_t inter,
+                          int64_t group_size, c10::IntArrayRef fc_tactics, c10::IntArrayRef proj_tactics,
+                          const std::optional<at::Tensor>& proj_act_scale) {
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
 }  // namespace
 }  // namespace kiln
 
@@ -325,14 +351,20 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
         "Tensor proj, Tensor? proj_scale, int expert_start, int inter, int group_size=0, int[] fc_tactics=[], "
         "int[] proj_tactics=[], Tensor? proj_act_scale=None) -> Tensor",
         {at::Tag::pt2_compliant_tag});
+  m.def("moe_gated(Tensor x, Tensor router, int num_experts, int[] router_tactics, int top_k, bool renormalize, "
+        "Tensor fc, Tensor? fc_scale, Tensor proj, Tensor? proj_scale, int expert_start, int inter, "
+        "int group_size=0, int[] fc_tactics=[], int[] proj_tactics=[], Tensor? proj_act_scale=None) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) {
   m.impl("moe", &kiln::moe_cpu);
   m.impl("moe_routed", &kiln::moe_routed_cpu);
+  m.impl("moe_gated", &kiln::moe_gated_cpu);
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) {
   m.impl("moe", &kiln::moe_meta);
   m.impl("moe_routed", &kiln::moe_routed_meta);
+  m.impl("moe_gated", &kiln::moe_gated_meta);
 }

@@ -410,3 +410,69 @@ def test_engine_greedy_matches_inline_attention(engine, backend):
     got = [o.outputs[0].token_ids for o in LLM(cpp_dir).generate(PROMPTS, params)]
     assert all(len(t) == NEW_TOKENS for t in got)
     assert got == expected
+
+
+def _slot_mapping(inputs, block_size):
+    """Each new token's pool slot, from the step's block tables (its position: the last q_len of its
+    sequence)."""
+    T = inputs["q"].shape[0]
+    slots = torch.empty(T, dtype=torch.int64)
+    for tokens, table, length in zip(inputs["ctx_token_index"], inputs["ctx_block_tables"], inputs["ctx_context_lens"]):
+        tokens = tokens[tokens >= 0]
+        pos = torch.arange(int(length) - len(tokens), int(length))
+        slots[tokens] = table.long()[pos // block_size] * block_size + pos % block_size
+    for token, table, length in zip(inputs["gen_token_index"], inputs["gen_block_tables"], inputs["gen_context_lens"]):
+        pos = int(length) - 1
+        slots[token] = int(table[pos // block_size]) * block_size + pos % block_size
+    return slots
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("norms,rotary_dims", [(False, 16), (True, 8)])
+def test_fused_attention_is_the_separate_ops(dtype, cache_dtype, norms, rotary_dims):
+    """kiln_cpp::attention = rms_norm per head (q/k norms), rotary_embedding, the KV write and
+    paged_attention: the same output and pool, bit for bit; rotary_dims 8 of head_dim 16 rotates part."""
+    from kiln.plugins import cpu
+
+    ops = torch.ops.kiln_cpp
+    cpp.load()
+    inputs, _ = _step("mixed", 16, "gqa3", 16)
+    g = torch.Generator().manual_seed(3)
+    (KH, H), D, T, eps = HEADS["gqa3"], 16, inputs["q"].shape[0], 1e-6
+    qkv = torch.randn(T, (H + 2 * KH) * D, generator=g).to(dtype)
+    angles = torch.randn(T, rotary_dims // 2, generator=g) * 3
+    cos, sin = angles.cos(), angles.sin()
+    q_norm, k_norm = ((torch.rand(D, generator=g) + 0.5).to(dtype) for _ in range(2)) if norms else (None, None)
+    slots = _slot_mapping(inputs, 16)
+    step = [inputs[k] for k in NAMES[3:9]]
+    layer, cache = inputs["layer"], inputs["kv_cache"].to(cache_dtype)
+
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, KH * D, KH * D], dim=-1))
+    if norms:
+        q, k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
+    q, k = ops.rotary_embedding(q, k, cos, sin)
+    want_cache = cache.clone()
+    cpu.kv_cache_write(want_cache, layer, k, v, slots)
+    want = ops.paged_attention(q, want_cache, layer, *step, inputs["scale"])
+
+    got_cache = cache.clone()
+    got = ops.attention(qkv, cos, sin, got_cache, layer, slots, *step, H, inputs["scale"], q_norm, k_norm, eps)
+    assert torch.equal(got_cache, want_cache)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_fused_attention_errors():
+    cpp.load()
+    inputs, _ = _step("gen_only", 16, "mha", 16)
+    (KH, H), D, T = HEADS["mha"], 16, inputs["q"].shape[0]
+    qkv, cos = torch.randn(T, (H + 2 * KH) * D), torch.ones(T, D // 2)
+    step = [inputs[k] for k in NAMES[3:9]]
+    slots = _slot_mapping(inputs, 16)
+    attention = torch.ops.kiln_cpp.attention
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        attention(qkv[:, :-1], cos, cos, inputs["kv_cache"], 1, slots, *step, H, 0.25)
+    with pytest.raises(RuntimeError, match="8-bit pools take kv_cache_write"):
+        attention(qkv, cos, cos, inputs["kv_cache"].to(torch.int8), 1, slots, *step, H, 0.25)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[0\] = -1 is outside"):
+        attention(qkv, cos, cos, inputs["kv_cache"], 1, slots * 0 - 1, *step, H, 0.25)

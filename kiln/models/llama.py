@@ -46,6 +46,9 @@ class _Ops:
 
             self.kv_cache_write = cpu.kv_cache_write
             self.paged_attention = cpp.paged_attention_op()
+        # Norms, rope, KV write and attention of a layer in one call where the plugin is C++
+        # (kiln/plugins/csrc/attention.cpp).
+        self.attention = cpp.op("attention") if plugin_config.get("gpt_attention_plugin") == "cpp" else None
 
 
 class LlamaLayer(nn.Module):
@@ -190,14 +193,17 @@ class LlamaForCausalLM(nn.Module):
         hidden = self._embed(input_ids) if self.is_first else hidden_states
         if self.is_first and self.config.embedding_multiplier != 1:
             hidden = hidden * self.config.embedding_multiplier
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = self._block_input(hidden, residual, layer.input_layernorm)
-            kv_scale = None if self.kv_scales is None else self.kv_scales[i]
-            adapt = None if adapters is None else functools.partial(adapters, i)
-            qkv = layer.qkv(x)
-            if adapt is not None:
-                qkv = adapt(qkv, x, ("attn_q", 0), ("attn_k", H * D), ("attn_v", (H + KH) * D))
+
+        def attend(i, layer, qkv, kv_scale):
+            """Layer i's attention [T, H, D] from its QKV projection, writing its K/V to the pool."""
+            cos_sin = (cos_local, sin_local) if layer.window and self.local_rope is not None else (cos, sin)
+            if (o.attention is not None and layer.rotary and kv_scale is None
+                    and (layer.q_layernorm is None or self.config.qk_layernorm_scope == "head")):
+                # One kiln_cpp::attention call: a float pool, and q/k norms (if any) per head
+                return o.attention(qkv, *cos_sin, kv_cache, i, slot_mapping, ctx_token_index, ctx_block_tables,
+                                   ctx_context_lens, gen_token_index, gen_block_tables, gen_context_lens, H,
+                                   self.scale, layer.q_layernorm, layer.k_layernorm, self.eps, layer.window,
+                                   softcap or 0.0)
             q, k, v = qkv.split([H * D, KH * D, KH * D], dim=-1)
             if layer.q_layernorm is not None and self.config.qk_layernorm_scope == "projection":
                 q = self._projection_norm(q, layer.q_layernorm, self.config.num_attention_heads)
@@ -206,17 +212,24 @@ class LlamaForCausalLM(nn.Module):
             if layer.q_layernorm is not None and self.config.qk_layernorm_scope == "head":
                 q = o.rms_norm(q, layer.q_layernorm, self.eps)
                 k = o.rms_norm(k, layer.k_layernorm, self.eps)
-            if layer.rotary and layer.window and self.local_rope is not None:
-                q, k = o.rotary_embedding(q, k, cos_local, sin_local)
-            elif layer.rotary:
-                q, k = o.rotary_embedding(q, k, cos, sin)
+            if layer.rotary:
+                q, k = o.rotary_embedding(q, k, *cos_sin)
             o.kv_cache_write(kv_cache, i, k, v, slot_mapping, kv_scale)
-            attn = o.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
-                                       gen_token_index, gen_block_tables, gen_context_lens, self.scale,
-                                       *(() if kv_scale is None else (kv_scale,)),
-                                       **({"window": layer.window} if layer.window else {}),
-                                       **({"softcap": softcap} if softcap else {}))
-            attn = attn.reshape(T, H * D)
+            return o.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
+                                     gen_token_index, gen_block_tables, gen_context_lens, self.scale,
+                                     *(() if kv_scale is None else (kv_scale,)),
+                                     **({"window": layer.window} if layer.window else {}),
+                                     **({"softcap": softcap} if softcap else {}))
+
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = self._block_input(hidden, residual, layer.input_layernorm)
+            kv_scale = None if self.kv_scales is None else self.kv_scales[i]
+            adapt = None if adapters is None else functools.partial(adapters, i)
+            qkv = layer.qkv(x)
+            if adapt is not None:
+                qkv = adapt(qkv, x, ("attn_q", 0), ("attn_k", H * D), ("attn_v", (H + KH) * D))
+            attn = attend(i, layer, qkv, kv_scale).reshape(T, H * D)
             out = layer.dense(attn)
             hidden = self._block_output(out if adapt is None else adapt(out, attn, ("attn_dense", 0)),
                                         layer.post_attention_layernorm)

@@ -36,11 +36,13 @@ CSRC = Path(__file__).parent / "csrc"
 # code shared with the AVX2/AVX-512 files comes from a file built without those target options.
 SOURCES = ("paged_attention.cpp", "gemm.cpp", "thread_pool.cpp", "cpu_features.cpp", "kernels_default.cpp",
            "kernels_avx2.cpp", "paged_attention_avx512.cpp", "gemm_avx512.cpp", "gemm_amx.cpp", "attention_bf16.cpp",
-           "sampler.cpp", "all_reduce.cpp", "elementwise.cpp", "embedding.cpp", "moe.cpp", "lora.cpp", "lora_bf16.cpp")
+           "sampler.cpp", "all_reduce.cpp", "elementwise.cpp", "embedding.cpp", "moe.cpp", "lora.cpp", "lora_bf16.cpp",
+           "cpu_allocator.cpp", "attention.cpp")
 HEADERS = ("gemm_op.h", "paged_attention.h", "paged_attention_kernel.h", "paged_attention_x86.h", "gemm.h",
            "gemm_kernel.h",
            "gemm_avx512.h", "sampler.h", "sampler_kernel.h", "vec_common.h", "thread_pool.h",
-           "elementwise.h", "elementwise_kernel.h", "lora.h", "lora_kernel.h", "amx_tiles.h", "op_dtype.h")
+           "elementwise.h", "elementwise_kernel.h", "lora.h", "lora_kernel.h", "amx_tiles.h", "op_dtype.h",
+           "paged_attention_op.h")
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with
 # OpenMP; libgomp resolves to the copy libtorch already loaded (same soname), so one thread pool.
 CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-Wall", "-Wno-unused-parameter"]

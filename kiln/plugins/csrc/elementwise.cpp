@@ -194,6 +194,8 @@ at::Tensor silu_and_mul_meta(const at::Tensor& x) {
 }  // namespace
 
 void silu_and_mul(const SiluMulParams& p, int64_t begin, int64_t end) { kernels().silu_and_mul(p, begin, end); }
+void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end) { kernels().rms_norm(p, begin, end); }
+void rope_tokens(const RopeParams& p, int64_t begin, int64_t end) { kernels().rope(p, begin, end); }
 
 }  // namespace kiln
 

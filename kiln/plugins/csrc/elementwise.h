@@ -59,7 +59,10 @@ KILN_DECLARE_ELEMENTWISE_KERNELS(DEFAULT)
 KILN_DECLARE_ELEMENTWISE_KERNELS(AVX2)
 KILN_DECLARE_ELEMENTWISE_KERNELS(AVX512)
 
-// Rows [begin, end) of SiLU-and-multiply on this CPU's kernel (for ops with loops of their own: moe.cpp).
+// Rows (tokens) [begin, end) on this CPU's kernels, for ops with loops of their own (moe.cpp,
+// attention.cpp).
 void silu_and_mul(const SiluMulParams& p, int64_t begin, int64_t end);
+void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
+void rope_tokens(const RopeParams& p, int64_t begin, int64_t end);
 
 }  // namespace kiln

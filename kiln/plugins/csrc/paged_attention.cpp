@@ -38,6 +38,7 @@
 #include "gemm.h"
 #include "op_dtype.h"
 #include "paged_attention.h"
+#include "paged_attention_op.h"
 #include "paged_attention_x86.h"
 #include "thread_pool.h"
 
@@ -156,6 +157,8 @@ void combine(const AttentionParams& p, const Combine& c) {
     case DType::Half: return combine_rows(p, c, static_cast<c10::Half*>(p.out));
   }
 }
+
+}  // namespace
 
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, int64_t layer,
                                const at::Tensor& ctx_token_index, const at::Tensor& ctx_block_tables,
@@ -314,7 +317,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   // Largest first, handed out dynamically: a long prefill tile and many short decodes balance.
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
 
-  const Kernel& k = kernel();
+  const auto& k = kernel();  // the attention kernel (kiln::Kernel names a GEMM one)
   AttentionParams p;
   p.q = qc.const_data_ptr();
   p.q_dtype = q_dtype;
@@ -368,6 +371,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, 
   }
   return out;
 }
+
+namespace {
 
 at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& kv_cache, int64_t layer,
                                 const at::Tensor& ctx_token_index, const at::Tensor& ctx_block_tables,

@@ -15,6 +15,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 
+#include <pthread.h>
+
 #include <cstdlib>
 #include <mutex>
 #include <new>
@@ -92,7 +94,13 @@ class CachingAllocator final : public c10::Allocator {
 
  public:
   static CachingAllocator& instance() {
-    static auto* a = new CachingAllocator();  // never destroyed: tensors may outlive static destructors
+    static auto* a = [] {
+      auto* made = new CachingAllocator();  // never destroyed: tensors may outlive static destructors
+      // A fork while another thread holds the lock would leave the child's copy locked forever.
+      pthread_atfork([] { instance().mutex_.lock(); }, [] { instance().mutex_.unlock(); },
+                     [] { instance().mutex_.unlock(); });
+      return made;
+    }();
     return *a;
   }
 

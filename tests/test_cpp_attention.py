@@ -403,7 +403,7 @@ def test_engine_greedy_matches_inline_attention(engine, backend):
     assert json.loads((inline_dir / "config.json").read_text())["build_config"]["plugin_config"] == \
         {**CPP_PLUGINS, "gpt_attention_plugin": "inline"}
     with zipfile.ZipFile(cpp_dir / "rank0.engine") as z:  # the graph calls the C++ op; the inline one does not
-        assert any(b"kiln_cpp::paged_attention" in z.read(n) or b"kiln_cpp.paged_attention" in z.read(n)
+        assert any(b"kiln_cpp::attention" in z.read(n) or b"kiln_cpp.attention" in z.read(n)
                    for n in z.namelist())
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(inline_dir).generate(PROMPTS, params)]

@@ -388,7 +388,7 @@ def test_bf16_aoti_engine_uses_plugin_by_default(engine):
     # SwiGLU inside the gate_up GEMM's call
     assert {config["plugin_config"][k] for k in ("rmsnorm_plugin", "rope_plugin", "swiglu_plugin")} == {"cpp"}
     ops = kiln_ops(aoti, "kiln_cpp")
-    assert {"gemm", "gemm_swiglu", "rms_norm", "fused_add_rms_norm", "rotary_embedding"} <= ops
+    assert {"gemm", "gemm_swiglu", "rms_norm", "fused_add_rms_norm", "attention"} <= ops  # rope inside attention
     assert "silu_and_mul" not in ops
     eager = engine("llama", "eager", dtype="bfloat16")
     _assert_scores_agree(LLM(aoti), LLM(eager))

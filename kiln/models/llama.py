@@ -39,6 +39,7 @@ class _Ops:
         self.silu_and_mul = pick("swiglu_plugin", "silu_and_mul")
         self.kv_cache_write = pick("gpt_attention_plugin", "kv_cache_write")
         self.paged_attention = pick("gpt_attention_plugin", "paged_attention")
+        self.attention = None
         if plugin_config.get("gpt_attention_plugin") == "cpp":
             # The C++ plugin (kiln/plugins/csrc): a kiln_cpp:: node AOTInductor calls without Python.
             # The KV write stays inline: one index_put_ on the pool, compiled in place.
@@ -46,9 +47,8 @@ class _Ops:
 
             self.kv_cache_write = cpu.kv_cache_write
             self.paged_attention = cpp.paged_attention_op()
-        # Norms, rope, KV write and attention of a layer in one call where the plugin is C++
-        # (kiln/plugins/csrc/attention.cpp).
-        self.attention = cpp.op("attention") if plugin_config.get("gpt_attention_plugin") == "cpp" else None
+            # Norms, rope, KV write and attention of a layer in one call (kiln/plugins/csrc/attention.cpp)
+            self.attention = cpp.op("attention")
 
 
 class LlamaLayer(nn.Module):

@@ -79,8 +79,7 @@ at::Tensor norm_heads(const void* x, const at::Tensor& qkv, DType dtype, int64_t
   p.outer_stride = row;
   p.inner_stride = D;
   p.eps = static_cast<float>(eps);
-  kiln::pool::parallel_for(0, p.rows, std::max<int64_t>(1, 16384 / D),
-                           [&](int64_t b, int64_t e) { rms_norm_rows(p, b, e); });
+  run_norm(p);
   return out;
 }
 

@@ -93,11 +93,6 @@ NormParams norm_params(const at::Tensor& x, const at::Tensor& weight, double eps
   return p;
 }
 
-void run_norm(const NormParams& p) {
-  const auto k = kernels().rms_norm;
-  kiln::pool::parallel_for(0, p.rows, grain(p.dim), [&](int64_t b, int64_t e) { k(p, b, e); });
-}
-
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   constexpr const char* op = "kiln_cpp::rms_norm: ";
   NormParams p = norm_params(x, weight, eps, op);
@@ -194,7 +189,10 @@ at::Tensor silu_and_mul_meta(const at::Tensor& x) {
 }  // namespace
 
 void silu_and_mul(const SiluMulParams& p, int64_t begin, int64_t end) { kernels().silu_and_mul(p, begin, end); }
-void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end) { kernels().rms_norm(p, begin, end); }
+void run_norm(const NormParams& p) {
+  const auto k = kernels().rms_norm;
+  kiln::pool::parallel_for(0, p.rows, grain(p.dim), [&](int64_t b, int64_t e) { k(p, b, e); });
+}
 void rope_tokens(const RopeParams& p, int64_t begin, int64_t end) { kernels().rope(p, begin, end); }
 
 }  // namespace kiln

@@ -62,7 +62,8 @@ KILN_DECLARE_ELEMENTWISE_KERNELS(AVX512)
 // Rows (tokens) [begin, end) on this CPU's kernels, for ops with loops of their own (moe.cpp,
 // attention.cpp).
 void silu_and_mul(const SiluMulParams& p, int64_t begin, int64_t end);
-void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
 void rope_tokens(const RopeParams& p, int64_t begin, int64_t end);
+// All of p's rows, over the thread pool (rms_norm's own loop).
+void run_norm(const NormParams& p);
 
 }  // namespace kiln

@@ -7,7 +7,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from kiln.config import ConfigError, EngineConfig, torch_dtype
-from kiln.engine import extraction
+from kiln.engine import extraction, huge_pages
 from kiln.engine.format import (HIDDEN_STATES, LORA_POOLS, LORA_RANKS, LORA_SLOTS, SEQUENCE_LENS, STEP_INPUTS,
                                engine_file, kv_cache_dtype, lora_pool_shapes, plugin_config, uses_cpp_plugins)
 
@@ -60,7 +60,7 @@ def use_caching_allocator() -> None:
     choice = os.environ.get("KILN_CPU_ALLOCATOR", "caching")
     if choice not in ("caching", "system"):
         raise ValueError(f"KILN_CPU_ALLOCATOR must be 'caching' or 'system', got {choice!r}")
-    torch.ops.kiln_cpp.use_caching_allocator(choice == "caching")
+    torch.ops.kiln_cpp.use_caching_allocator(choice == "caching", huge_pages.enabled())
 
 
 def load(backend: str, path: Path, unpacked: Path | None = None):
@@ -80,7 +80,9 @@ def load(backend: str, path: Path, unpacked: Path | None = None):
         # The loader itself: aoti_load_package cannot take a folder, and given a file object (a
         # path would have to end in .pt2) it first copies the whole package to a temporary file.
         serial = serial_graph_loops(Path(path).parent)
-        return AOTIModel(torch._C._aoti.AOTIModelPackageLoader(str(unpacked or path), "model", False, 1, -1), serial)
+        with huge_pages.loading(unpacked or path):
+            package = torch._C._aoti.AOTIModelPackageLoader(str(unpacked or path), "model", False, 1, -1)
+        return AOTIModel(package, serial)
     if backend == "eager":
         with open(path, "rb") as f:
             return torch.export.load(f).module()

@@ -8,6 +8,10 @@
 // hands them out again; larger ones (weights, the KV pool) go to the allocator it replaced. Cached
 // blocks are bounded: past 256 MiB, returning one releases them all to the system first.
 //
+// Fresh blocks of a few huge pages or more are advised to take them (MADV_HUGEPAGE) when asked:
+// decode streams the KV pool and an eager engine's weights every step, and on 4 KiB pages takes a TLB
+// miss for each (kiln/engine/huge_pages.py does the same for an aoti engine's weights).
+//
 // Each block holds its size class in a 64-byte header before the data, so the data stays 64-byte
 // aligned and is its own context (a "simple" data pointer, as c10's own are).
 
@@ -16,7 +20,9 @@
 #include <torch/library.h>
 
 #include <pthread.h>
+#include <sys/mman.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <new>
@@ -28,6 +34,7 @@ namespace {
 constexpr size_t kHeader = 64;
 constexpr size_t kLargest = size_t{32} << 20;
 constexpr size_t kCacheBytes = size_t{256} << 20;
+constexpr size_t kHugePage = size_t{2} << 20;
 constexpr int kSmall = 16;                           // classes of 64, 128, .. 1024 bytes
 constexpr int kClasses = kSmall + 4 * (25 - 10 + 1);  // then 4 per power of two up to 2^25
 
@@ -48,7 +55,11 @@ size_t size_of(int c) {
 class CachingAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) override {
-    if (n == 0 || n > kLargest) return fallback->allocate(n);
+    if (n == 0 || n > kLargest) {
+      c10::DataPtr p = fallback->allocate(n);
+      advise(p.get(), n);
+      return p;
+    }
     const int c = class_of(n);
     void* base = nullptr;
     {
@@ -59,7 +70,10 @@ class CachingAllocator final : public c10::Allocator {
         cached_ -= size_of(c);
       }
     }
-    if (base == nullptr && posix_memalign(&base, kHeader, kHeader + size_of(c)) != 0) throw std::bad_alloc();
+    if (base == nullptr) {
+      if (posix_memalign(&base, kHeader, kHeader + size_of(c)) != 0) throw std::bad_alloc();
+      advise(base, kHeader + size_of(c));
+    }
     *static_cast<int*>(base) = c;
     void* data = static_cast<char*>(base) + kHeader;
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
@@ -70,6 +84,13 @@ class CachingAllocator final : public c10::Allocator {
   void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
 
   c10::Allocator* fallback = nullptr;  // the allocator this one replaced
+  bool huge_pages = false;
+
+  void advise(void* p, size_t n) const {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t begin = (at + kHugePage - 1) & ~(kHugePage - 1), end = (at + n) & ~(kHugePage - 1);
+    if (huge_pages && end >= begin + 2 * kHugePage) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  }
 
  private:
   static void release(void* data) {
@@ -110,15 +131,16 @@ class CachingAllocator final : public c10::Allocator {
   size_t cached_ = 0;
 };
 
-// Installs (or, enable=false, removes) the caching allocator as c10's CPU allocator; returns whether
-// it was installed before. Tensors keep the deleter of the allocator that made them, so either
+// Installs (or, enable=false, removes) the caching allocator as c10's CPU allocator, its large blocks
+// on huge pages if huge_pages; returns whether it was installed before. Tensors keep the deleter of the allocator that made them, so either
 // order of allocation and release is safe.
-bool use_caching_allocator(bool enable) {
+bool use_caching_allocator(bool enable, bool huge_pages) {
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
   CachingAllocator& caching = CachingAllocator::instance();
   c10::Allocator* current = c10::GetCPUAllocator();
   const bool was = current == &caching;
+  caching.huge_pages = huge_pages;
   if (enable && !was) {
     caching.fallback = current;
     c10::SetCPUAllocator(&caching, /*priority=*/0);
@@ -131,4 +153,6 @@ bool use_caching_allocator(bool enable) {
 }  // namespace
 }  // namespace kiln
 
-TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) { m.def("use_caching_allocator(bool enable=True) -> bool", &kiln::use_caching_allocator); }
+TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
+  m.def("use_caching_allocator(bool enable=True, bool huge_pages=False) -> bool", &kiln::use_caching_allocator);
+}

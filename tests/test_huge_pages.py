@@ -82,11 +82,15 @@ def test_the_allocator_puts_large_tensors_on_huge_pages():
     cpp.load()
     was = torch.ops.kiln_cpp.use_caching_allocator(True, True)
     try:
-        for size in (40 * MIB, 24 * MIB):  # the system's block, and a cached one
-            t = torch.ones(size, dtype=torch.uint8)
-            assert smaps_of(t.data_ptr() + size // 2)["AnonHugePages"] > 0
-            assert int(t.sum()) == size
-            del t
+        t = torch.ones(40 * MIB, dtype=torch.uint8)  # the system's block
+        assert smaps_of(t.data_ptr() + 20 * MIB)["AnonHugePages"] > 0
+        assert int(t.sum()) == t.numel()
+        del t
+        # A size class's blocks: the cache holds at most 18 of 14 MiB, so the 19th is a fresh one.
+        blocks = [torch.empty(14 * MIB, dtype=torch.uint8) for _ in range(19)]
+        blocks[-1].fill_(1)
+        assert smaps_of(blocks[-1].data_ptr() + 7 * MIB)["AnonHugePages"] > 0
+        del blocks
         torch.ops.kiln_cpp.use_caching_allocator(True, False)
         t = torch.ones(40 * MIB, dtype=torch.uint8)
         assert smaps_of(t.data_ptr() + 20 * MIB).get("AnonHugePages", 0) == 0

@@ -132,8 +132,8 @@ class CachingAllocator final : public c10::Allocator {
 };
 
 // Installs (or, enable=false, removes) the caching allocator as c10's CPU allocator, its large blocks
-// on huge pages if huge_pages; returns whether it was installed before. Tensors keep the deleter of the allocator that made them, so either
-// order of allocation and release is safe.
+// on huge pages if huge_pages; returns whether it was installed before. Tensors keep the deleter of
+// the allocator that made them, so either order of allocation and release is safe.
 bool use_caching_allocator(bool enable, bool huge_pages) {
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);

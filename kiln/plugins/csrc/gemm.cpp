@@ -226,22 +226,23 @@ void* aligned_scratch(int64_t bytes) {
 template <typename T>
 float to_f(T v) { return static_cast<float>(v); }
 
-// x [M, K] as float32 rows of stride ldx, zero past K.
-const float* float_x(const at::Tensor& xc, int64_t M, int64_t K, int64_t ldx, std::vector<float>& buffer) {
-  if (xc.scalar_type() == at::kFloat && ldx == K) return xc.const_data_ptr<float>();
+// x [M, K] (x_type) as float32 rows of stride ldx, zero past K.
+const float* float_x(const void* x, at::ScalarType x_type, int64_t M, int64_t K, int64_t ldx,
+                     std::vector<float>& buffer) {
+  if (x_type == at::kFloat && ldx == K) return static_cast<const float*>(x);
   float* out = grown(buffer, M * ldx);
   kiln::pool::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       float* row = out + m * ldx;
-      switch (xc.scalar_type()) {
-        case at::kFloat: std::memcpy(row, xc.const_data_ptr<float>() + m * K, K * sizeof(float)); break;
+      switch (x_type) {
+        case at::kFloat: std::memcpy(row, static_cast<const float*>(x) + m * K, K * sizeof(float)); break;
         case at::kBFloat16: {
-          const c10::BFloat16* in = xc.const_data_ptr<c10::BFloat16>() + m * K;
+          const c10::BFloat16* in = static_cast<const c10::BFloat16*>(x) + m * K;
           for (int64_t k = 0; k < K; ++k) row[k] = in[k];
           break;
         }
         default: {
-          const c10::Half* in = xc.const_data_ptr<c10::Half>() + m * K;
+          const c10::Half* in = static_cast<const c10::Half*>(x) + m * K;
           for (int64_t k = 0; k < K; ++k) row[k] = in[k];
         }
       }
@@ -252,9 +253,9 @@ const float* float_x(const at::Tensor& xc, int64_t M, int64_t K, int64_t ldx, st
 }
 
 // bf16 x as [rows, ldxb]: x itself when its layout already fits, else a zero-padded copy.
-const uint16_t* bf16_x(const at::Tensor& xc, int64_t M, int64_t K, int64_t ldxb, int64_t rows,
+const uint16_t* bf16_x(const void* xv, int64_t M, int64_t K, int64_t ldxb, int64_t rows,
                        std::vector<uint16_t>& buffer) {
-  const auto* x = reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>());
+  const auto* x = static_cast<const uint16_t*>(xv);
   if (ldxb == K && rows == M) return x;
   uint16_t* out = grown(buffer, rows * ldxb);
   for (int64_t m = 0; m < rows; ++m) {
@@ -328,7 +329,7 @@ at::Tensor swiglu_of(const at::Tensor& y) {
 GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                    const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
                    c10::IntArrayRef tactics, bool swiglu, GemmBuffers& buffers)
-    : swiglu_(swiglu) {
+    : swiglu_(swiglu), x_type_(x.scalar_type()) {
   TORCH_CHECK(!swiglu || n % 2 == 0, kOp, "gemm_swiglu needs n = 2 x the gated width (gate and up), got n = ", n);
   const WeightFormat format = format_of(weight);
   const at::ScalarType out_dtype = out_float ? at::kFloat : x.scalar_type();
@@ -347,7 +348,7 @@ GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::opt
   // int4 group scales are float16 (pack_int4 writes them so; float32 ones, from engines built before,
   // are converted here on every call), the others float32.
   if (scale.has_value()) {
-    const at::ScalarType type = format == WeightFormat::Int4 ? at::kHalf : at::kFloat;
+    const at::ScalarType type = scale_type(format);
     scale_ = scale->scalar_type() == type && scale->is_contiguous() ? *scale : scale->to(type).contiguous();
   }
   if (format == WeightFormat::Int4) {
@@ -374,27 +375,72 @@ GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::opt
   p.format = format;
   p.panel_rows = weight.size(1);
   p.n = n;
+  p.out_type = out_type_of(out_dtype);
+  weight_sizes_ = {weight.size(0), weight.size(1), weight.size(2)};
+  weight_dtype_ = weight.scalar_type();
+  panels_ = panels;
+  if (p.M == 0) {  // nothing to compute (and no weight for ATen's kernel to unpack)
+    out_ = at::empty(out_shape(x, n), x.options().dtype(out_dtype));
+    return;
+  }
   const Kernel kernel = pick(tactics, p.M, format, x.scalar_type());
-  if (kernel == Kernel::Aten) {  // computed here: ATen's matmul brings its own threads
-    kiln::pool::OmpThreadsScope threads;
-    at::Tensor y = at::linear(x, dense_weight(weight, p, x.scalar_type()));  // scales folded into the weight
-    if (bias_.defined()) y = y + bias_;
-    out_ = swiglu ? swiglu_of(y.to(out_dtype).contiguous()) : y.to(out_dtype);
+  if (kernel == Kernel::Aten) {
+    out_ = run_aten(x, weight);
     swiglu_ = false;
     return;
   }
-
-  // The bf16 kernels (AMX, AVX-512-BF16), and VNNI's past one row, pair each gate panel with its up
-  // panel and apply the activation to their accumulators; the others write y and result() activates
-  // it. (VNNI's GEMV reads four panels at once instead.)
-  fused_ = swiglu && n % (2 * kPanel) == 0 &&
-           (kernel == Kernel::AmxBf16 || kernel == Kernel::Avx512Bf16 || (kernel == Kernel::Avx512Vnni && p.M > 1));
-  p.swiglu_panels = fused_ ? panels / 2 : 0;
+  fused_ = fuses(kernel);
   out_ = at::empty(out_shape(x, fused_ ? n / 2 : n), x.options().dtype(out_dtype));
   p.out = out_.mutable_data_ptr();
-  p.out_type = out_type_of(out_dtype);
-  if (p.M == 0) return;
   xc_ = x.contiguous();
+  prepare(kernel, xc_.const_data_ptr(), buffers);
+}
+
+GemmPlan::GemmPlan(const GemmPlan& like, const void* x, int64_t M, const void* weight, const void* scale, void* out,
+                   c10::IntArrayRef tactics, GemmBuffers& buffers)
+    : p_(like.p_), swiglu_(like.swiglu_), x_type_(like.x_type_), weight_sizes_(like.weight_sizes_),
+      weight_dtype_(like.weight_dtype_), panels_(like.panels_), bias_(like.bias_) {
+  GemmParams& p = p_;
+  p.M = M;
+  p.w = weight;
+  p.out = out;
+  if (p.format == WeightFormat::Int4) p.group_scale = static_cast<const uint16_t*>(scale);
+  else if (p.col_scale != nullptr) p.col_scale = static_cast<const float*>(scale);
+  if (M == 0) return;
+  const Kernel kernel = pick(tactics, M, p.format, x_type_);
+  if (kernel == Kernel::Aten) {
+    const auto w = at::from_blob(const_cast<void*>(weight), weight_sizes_, at::TensorOptions().dtype(weight_dtype_));
+    const auto xt = at::from_blob(const_cast<void*>(x), {M, p.K}, at::TensorOptions().dtype(x_type_));
+    const at::Tensor y = run_aten(xt, w);
+    at::from_blob(out, y.sizes(), y.options()).copy_(y);
+    fused_ = swiglu_;  // out holds the activation already
+    return;
+  }
+  fused_ = fuses(kernel);
+  prepare(kernel, x, buffers);
+}
+
+// ATen's matmul on the weight unpacked to a dense matrix, computed here (it brings its own threads).
+at::Tensor GemmPlan::run_aten(const at::Tensor& x, const at::Tensor& weight) const {
+  kiln::pool::OmpThreadsScope threads;
+  at::Tensor y = at::linear(x, dense_weight(weight, p_, x.scalar_type()));  // scales folded into the weight
+  if (bias_.defined()) y = y + bias_;
+  const at::ScalarType out_dtype = p_.out_type == OutType::Float ? at::kFloat : x.scalar_type();
+  return swiglu_ ? swiglu_of(y.to(out_dtype).contiguous()) : y.to(out_dtype);
+}
+
+// The bf16 kernels (AMX, AVX-512-BF16), and VNNI's past one row, pair each gate panel with its up
+// panel and apply the activation to their accumulators; the others write y and result() activates
+// it. (VNNI's GEMV reads four panels at once instead.)
+bool GemmPlan::fuses(Kernel kernel) const {
+  return swiglu_ && p_.n % (2 * kPanel) == 0 &&
+         (kernel == Kernel::AmxBf16 || kernel == Kernel::Avx512Bf16 || (kernel == Kernel::Avx512Vnni && p_.M > 1));
+}
+
+void GemmPlan::prepare(Kernel kernel, const void* x, GemmBuffers& buffers) {
+  GemmParams& p = p_;
+  const int64_t K = p.K;
+  p.swiglu_panels = fused_ ? panels_ / 2 : 0;
   const bool avx2 = (cpu_features() & kAvx2) != 0;
   switch (kernel) {
     case Kernel::Avx512Bf16:
@@ -402,16 +448,16 @@ GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::opt
       const bool amx = kernel == Kernel::AmxBf16;
       const int64_t ldxb = (K % (amx ? kBf16PadK : 2) == 0) ? K : round_up(K, kBf16PadK);
       p.ldxb = ldxb;
-      p.xb = bf16_x(xc_, p.M, K, ldxb, amx ? round_up(p.M, 16) : p.M, buffers.xb);
+      p.xb = bf16_x(x, p.M, K, ldxb, amx ? round_up(p.M, 16) : p.M, buffers.xb);
       run_ = amx ? &amx::gemm_bf16_panels : &avx512::gemm_bf16_panels;
       break;
     }
     case Kernel::Avx2Int8:
     case Kernel::Avx512Vnni:
     case Kernel::PortableInt8: {
-      const bool int4 = format == WeightFormat::Int4;
+      const bool int4 = p.format == WeightFormat::Int4;
       const int32_t offset = kernel == Kernel::Avx512Vnni ? (int4 ? 8 : 128) : kernel == Kernel::Avx2Int8 && int4 ? 8 : 0;
-      p.act_block = act_block_for(format, p.group_shift);
+      p.act_block = act_block_for(p.format, p.group_shift);
       p.ldxq = round_up(K, p.act_block);
       const int64_t blocks = p.ldxq / p.act_block;
       int8_t* q = grown(buffers.xq, p.M * p.ldxq);
@@ -421,15 +467,16 @@ GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::opt
       // AVX-512 quantizes bf16 or float32 x as it is: the float copy and the AVX2 build's loops cost
       // 7% of an int8 prefill. SmolLM-135M, a layer's GEMMs at M = 512, Zen 4, 2 threads: int8 5.54
       // -> 5.07 ms, int4 g64 5.77 -> 5.39.
-      const bool bf16 = xc_.scalar_type() == at::kBFloat16;
-      if ((cpu_features() & kAvx512) && (bf16 || xc_.scalar_type() == at::kFloat)) {
-        const char* x0 = static_cast<const char*>(xc_.const_data_ptr());
+      const bool bf16 = x_type_ == at::kBFloat16;
+      if ((cpu_features() & kAvx512) && (bf16 || x_type_ == at::kFloat)) {
+        const char* x0 = static_cast<const char*>(x);
+        const int64_t elem = c10::elementSize(x_type_);
         kiln::pool::parallel_for(0, p.M, grain, [&](int64_t begin, int64_t end) {
-          avx512::quantize_rows(x0 + begin * K * xc_.element_size(), bf16, end - begin, K, K, offset, p.act_block,
+          avx512::quantize_rows(x0 + begin * K * elem, bf16, end - begin, K, K, offset, p.act_block,
                                 q + begin * p.ldxq, p.ldxq, s + begin * blocks, c + begin * blocks);
         });
       } else {
-        const float* xf = float_x(xc_, p.M, K, K, buffers.xf);
+        const float* xf = float_x(x, x_type_, p.M, K, K, buffers.xf);
         kiln::pool::parallel_for(0, p.M, grain, [&](int64_t begin, int64_t end) {
           auto quantize = avx2 ? &AVX2::quantize_rows : &DEFAULT::quantize_rows;
           quantize(xf + begin * K, end - begin, K, K, offset, p.act_block, q + begin * p.ldxq, p.ldxq,
@@ -445,15 +492,14 @@ GemmPlan::GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::opt
       break;
     }
     default: {  // float kernels: x as float32, zero-padded to whole stored rows of k
-      p.ldx = K % layout.k_per_row == 0 ? K : round_up(K, kInt4K);
-      p.x = float_x(xc_, p.M, K, p.ldx, buffers.xf);
+      p.ldx = K % layout_of(p.format).k_per_row == 0 ? K : round_up(K, kInt4K);
+      p.x = float_x(x, x_type_, p.M, K, p.ldx, buffers.xf);
       run_ = kernel == Kernel::Avx2 ? &AVX2::gemm_panels : &DEFAULT::gemm_panels;
     }
   }
   // Items are pairs of panels (the kernels' blocks are two or four panels wide, and an odd share
   // would leave a half-width block at its end), or gate panels when the activation is fused.
-  panels_ = panels;
-  items_ = fused_ ? p.swiglu_panels : (panels + 1) / 2;
+  items_ = fused_ ? p.swiglu_panels : (panels_ + 1) / 2;
 }
 
 void GemmPlan::run(int64_t begin, int64_t end) const {
@@ -464,6 +510,8 @@ void GemmPlan::run(int64_t begin, int64_t end) const {
 }
 
 at::Tensor GemmPlan::result() const { return swiglu_ && !fused_ ? swiglu_of(out_) : out_; }
+
+at::ScalarType scale_type(WeightFormat f) { return f == WeightFormat::Int4 ? at::kHalf : at::kFloat; }
 
 at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,

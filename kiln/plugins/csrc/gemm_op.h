@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <optional>
 #include <vector>
 
@@ -34,17 +35,33 @@ class GemmPlan {
   GemmPlan(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
            const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, bool out_float,
            c10::IntArrayRef tactics, bool swiglu, GemmBuffers& buffers);
+  // like's GEMM (its shape, format, bias and output type, all checked) on another weight of the same
+  // shape, as a stack of experts holds them, with no tensor made: x [M, K] contiguous in like's x
+  // dtype, weight and scale (in scale_type) that weight's packed panels and scales, out [M, fused() ?
+  // n / 2 : n] in the output type. ATen's kernel, where the tactics pick it, runs here. It has no
+  // result(): the output is out.
+  GemmPlan(const GemmPlan& like, const void* x, int64_t M, const void* weight, const void* scale, void* out,
+           c10::IntArrayRef tactics, GemmBuffers& buffers);
   int64_t items() const { return items_; }
   // The equal parts of the weight that items() splits alike: 2 when gate and up panels run together.
   int weight_parts() const { return fused_ ? 2 : 1; }
+  // Whether a gemm_swiglu's output is the activation already (else the gate and up halves).
+  bool fused() const { return fused_; }
   void run(int64_t begin, int64_t end) const;
   at::Tensor result() const;
 
  private:
+  at::Tensor run_aten(const at::Tensor& x, const at::Tensor& weight) const;
+  bool fuses(Kernel kernel) const;
+  void prepare(Kernel kernel, const void* x, GemmBuffers& buffers);
+
   GemmParams p_{};
   GemmPanelsFn run_ = nullptr;
   int64_t items_ = 0, panels_ = 0;
   bool swiglu_ = false, fused_ = false;
+  at::ScalarType x_type_;
+  std::array<int64_t, 3> weight_sizes_{};
+  at::ScalarType weight_dtype_ = at::kFloat;
   at::Tensor out_, xc_, scale_, bias_;
 };
 
@@ -56,6 +73,8 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& weight, const std::op
 // The format of a packed weight, by its dtype (gemm.cpp's header has the layouts).
 WeightFormat format_of(const at::Tensor& w);
 OutType out_type_of(at::ScalarType t);
+// The dtype of a format's scales: float16 group scales for int4, float32 column scales for the others.
+at::ScalarType scale_type(WeightFormat f);
 
 // k per stored row, the K padding and the row width of a format's panels.
 struct Layout {

@@ -39,6 +39,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -49,6 +50,7 @@
 #include <numeric>
 #include <vector>
 
+#include "elementwise.h"
 #include "gemm_op.h"
 #include "op_dtype.h"
 #include "thread_pool.h"
@@ -79,6 +81,45 @@ at::Tensor expert_of(const at::Tensor& t, int64_t e) {  // t[e]
 
 std::optional<at::Tensor> expert_of(const std::optional<at::Tensor>& t, int64_t e) {
   return t.has_value() ? std::optional<at::Tensor>(expert_of(*t, e)) : std::nullopt;
+}
+
+// Row `row` of a contiguous 2-d t, and expert e's part of a stack, as raw memory.
+void* at_row(const at::Tensor& t, int64_t row) {
+  return static_cast<char*>(const_cast<void*>(t.const_data_ptr())) + row * t.size(1) * t.element_size();
+}
+
+const void* at_expert(const at::Tensor& t, int64_t e) {
+  return static_cast<const char*>(t.const_data_ptr()) + e * (t.numel() / t.size(0)) * t.element_size();
+}
+
+const void* at_expert(const std::optional<at::Tensor>& t, int64_t e) {
+  return t.has_value() ? at_expert(*t, e) : nullptr;
+}
+
+// A stack's scales in the dtype its format's kernels read (engines from before int4's float16 scales
+// hold float32 ones): converted once per call, not once per expert.
+std::optional<at::Tensor> in_scale_type(const at::Tensor& w, const std::optional<at::Tensor>& scale) {
+  if (!scale.has_value()) return scale;
+  const at::ScalarType type = scale_type(format_of(w));
+  return scale->scalar_type() == type ? scale : std::optional<at::Tensor>(scale->to(type).contiguous());
+}
+
+// FP8 experts' activation onto its fp8 grid, in place: x / scale, clamped, rounded to e4m3, in x's
+// dtype (as kiln/plugins/quant.py rounds it).
+template <typename T>
+void to_fp8_grid(T* a, int64_t count, float scale) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float v = std::min(448.0f, std::max(-448.0f, static_cast<float>(a[i]) / scale));
+    a[i] = static_cast<T>(static_cast<float>(c10::Float8_e4m3fn(v)));
+  }
+}
+
+void to_fp8_grid(DType dtype, void* a, int64_t count, float scale) {
+  switch (dtype) {
+    case DType::Float: return to_fp8_grid(static_cast<float*>(a), count, scale);
+    case DType::BFloat16: return to_fp8_grid(static_cast<c10::BFloat16*>(a), count, scale);
+    default: return to_fp8_grid(static_cast<c10::Half*>(a), count, scale);
+  }
 }
 
 template <typename T>
@@ -167,22 +208,31 @@ at::Tensor run_experts(const at::Tensor& x, const int64_t* id, const float* w, i
   std::stable_sort(active.begin(), active.end(),
                    [&](int64_t a, int64_t b) { return count[a + 1] - count[a] > count[b + 1] - count[b]; });
 
+  // Plans on the first expert check the stacks once; each expert's GEMMs copy them onto its own
+  // weights and rows, with no tensor made (a decode step's experts take 10-15 us each, and planning
+  // them as kiln_cpp::gemm does took a third of that).
+  const std::optional<at::Tensor> fcs = in_scale_type(fc, fc_scale), ps = in_scale_type(proj, proj_scale);
+  GemmBuffers checked;
+  const GemmPlan up_like(rows_of(xs, 0, 0), expert_of(fc, 0), expert_of(fcs, 0), std::nullopt, 2 * inter, group_size,
+                         false, fc_tactics, true, checked);
+  const GemmPlan down_like(at::empty({0, inter}, x.options()), expert_of(proj, 0), expert_of(ps, 0), std::nullopt, H,
+                           group_size, true, proj_tactics, false, checked);
+  // h: the up projections' rows (gate and up, or the activation where the kernel applied it); act:
+  // the activation otherwise; ys: the down projections' rows, float32.
+  at::Tensor h = at::empty({rows, 2 * inter}, x.options()), act = at::empty({rows, inter}, x.options());
   at::Tensor ys = at::empty({rows, H}, x.options().dtype(at::kFloat));
+  const float act_scale = proj_act_scale.has_value() ? proj_act_scale->item<float>() : 0.0f;
   auto up = [&](int64_t e, GemmBuffers& buffers) {
-    return GemmPlan(rows_of(xs, count[e], count[e + 1] - count[e]), expert_of(fc, e), expert_of(fc_scale, e),
-                    std::nullopt, 2 * inter, group_size, false, fc_tactics, true, buffers);
+    return GemmPlan(up_like, at_row(xs, count[e]), count[e + 1] - count[e], at_expert(fc, e), at_expert(fcs, e),
+                    at_row(h, count[e]), fc_tactics, buffers);
   };
   auto down = [&](int64_t e, const GemmPlan& up_done, GemmBuffers& buffers) {
-    at::Tensor act = up_done.result();
-    if (proj_act_scale.has_value())  // onto the fp8 grid, clamped first as kiln/plugins/quant.py does
-      act = (act.to(at::kFloat) / *proj_act_scale).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn).to(x.scalar_type());
-    return GemmPlan(act, expert_of(proj, e), expert_of(proj_scale, e), std::nullopt, H, group_size, true, proj_tactics,
-                    false, buffers);
-  };
-  auto keep = [&](int64_t e, const GemmPlan& down_done) {
     const int64_t first = count[e], m = count[e + 1] - count[e];
-    std::memcpy(ys.mutable_data_ptr<float>() + first * H, down_done.result().const_data_ptr<float>(),
-                m * H * sizeof(float));
+    void* a = up_done.fused() ? at_row(h, first) : at_row(act, first);
+    if (!up_done.fused()) silu_and_mul({dtype, at_row(h, first), a, inter, 2 * inter}, 0, m);
+    if (proj_act_scale.has_value()) to_fp8_grid(dtype, a, m * inter, act_scale);
+    return GemmPlan(down_like, a, m, at_expert(proj, e), at_expert(ps, e), ys.mutable_data_ptr<float>() + first * H,
+                    proj_tactics, buffers);
   };
   const int64_t n = static_cast<int64_t>(active.size());
   if (n >= 2 * kiln::pool::num_threads()) {
@@ -190,12 +240,10 @@ at::Tensor run_experts(const at::Tensor& x, const int64_t* id, const float* w, i
       at::AutoDispatchBelowADInplaceOrView below_autograd_here;
       thread_local GemmBuffers buffers;
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t e = active[i];
-        const GemmPlan u = up(e, buffers);
+        const GemmPlan u = up(active[i], buffers);
         u.run(0, u.items());
-        const GemmPlan d = down(e, u, buffers);
+        const GemmPlan d = down(active[i], u, buffers);
         d.run(0, d.items());
-        keep(e, d);
       }
     });
   } else if (n > 0) {
@@ -208,7 +256,6 @@ at::Tensor run_experts(const at::Tensor& x, const int64_t* id, const float* w, i
     run_together(ups);
     for (int64_t i = 0; i < n; ++i) downs.push_back(down(active[i], ups[i], buffers[i]));
     run_together(downs);
-    for (int64_t i = 0; i < n; ++i) keep(active[i], downs[i]);
   }
 
   at::Tensor out = at::empty({T, H}, x.options());

@@ -6,12 +6,12 @@ loader copies a package's weights out of its shared library into one malloc'd bl
 transparent huge pages, in their common `madvise` mode, leave on 4 KiB pages; and the library's own
 copy stays mapped after the copy, counted in the process's RSS a second time.
 
-`loading()` wraps a load. The anonymous mappings the load made (the blob) are asked for huge pages
-(MADV_HUGEPAGE) and moved onto them at once (MADV_COLLAPSE, Linux 6.1+; before it, khugepaged does it
-in its own time). The load's read-only mappings of the package's files that hold no private page (the
-library's copy of the weights) are dropped (MADV_DONTNEED: the kernel reads them back from the file if
-anything touches them again), and their page cache with them. kiln_cpp's CPU allocator asks for huge
-pages for the large tensors it makes (the KV pool, eager engines' weights).
+`loading()` wraps a load. The anonymous memory the load made of about the weights' size (the blob)
+is moved onto huge pages (onto_huge_pages), and the load's read-only mappings of the package's files
+that hold no private page (the library's copy of the weights) are dropped (MADV_DONTNEED: the kernel
+reads them back from the file if anything touches them again), and their page cache with them.
+kiln_cpp's CPU allocator asks for huge pages for the large tensors it makes (the KV pool, eager
+engines' weights).
 
 Best effort: without /proc/self/maps, or on a kernel without THP, memory stays as it was.
 KILN_HUGE_PAGES=0 leaves it so everywhere.
@@ -116,8 +116,9 @@ def onto_huge_pages(m: Mapping) -> int:
     """Moves the whole 2 MiB pages of m, an anonymous mapping no other thread touches meanwhile, onto
     huge pages: each part is copied into a fresh mapping that faults them in, which mremap then moves
     (huge pages and all) over the original, freeing its 4 KiB pages. Parts of CHUNK bytes bound the
-    memory the move takes beside the weights. MADV_COLLAPSE would do it in place, but it waits on the
-    other CPUs for every huge page: 6 ms each on a 2-vCPU KVM guest, 3 ms per MiB of weights.
+    memory the move takes beside the weights. MADV_COLLAPSE does it in place, but only from Linux 6.1,
+    and it was no faster: 0.08-0.69 s for the Qwen3-MoE-shaped benchmark's 214 MiB on a 2-vCPU KVM
+    guest, against 0.07-0.66 s for the copy (huge pages the guest never touched are slow to fault in).
     Returns the bytes moved."""
     _load_libc()
     moved = 0

@@ -132,7 +132,7 @@ def onto_huge_pages(m: Mapping) -> int:
         for lo, hi in ((raw, new), (new + size, raw + size + HUGE_PAGE)):  # the alignment's slack
             if hi > lo:
                 _libc.munmap(lo, hi - lo)
-        if _libc.madvise(new, size, MADV_HUGEPAGE) != 0:
+        if not madvise(new, size, MADV_HUGEPAGE):
             _libc.munmap(new, size)
             break
         ctypes.memmove(new, at, size)

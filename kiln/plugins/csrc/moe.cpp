@@ -60,29 +60,6 @@ namespace {
 
 constexpr const char* kOp = "kiln_cpp::moe: ";
 
-// Parts of contiguous tensors as tensors over the same memory: from_blob skips the dispatcher and
-// the view bookkeeping that select and narrow pay, a few microseconds per expert and step where a
-// decode step's experts take ten each.
-at::Tensor part_of(const at::Tensor& t, int64_t offset, c10::IntArrayRef sizes) {
-  auto* base = static_cast<char*>(const_cast<void*>(t.const_data_ptr()));
-  return at::from_blob(base + offset * t.element_size(), sizes, t.options());
-}
-
-at::Tensor rows_of(const at::Tensor& t, int64_t first, int64_t count) {  // t[first:first + count]
-  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
-  const int64_t row = t.numel() / std::max<int64_t>(1, sizes[0]);
-  sizes[0] = count;
-  return part_of(t, first * row, sizes);
-}
-
-at::Tensor expert_of(const at::Tensor& t, int64_t e) {  // t[e]
-  return part_of(t, e * (t.numel() / t.size(0)), t.sizes().slice(1));
-}
-
-std::optional<at::Tensor> expert_of(const std::optional<at::Tensor>& t, int64_t e) {
-  return t.has_value() ? std::optional<at::Tensor>(expert_of(*t, e)) : std::nullopt;
-}
-
 // Row `row` of a contiguous 2-d t, and expert e's part of a stack, as raw memory.
 void* at_row(const at::Tensor& t, int64_t row) {
   return static_cast<char*>(const_cast<void*>(t.const_data_ptr())) + row * t.size(1) * t.element_size();
@@ -94,6 +71,12 @@ const void* at_expert(const at::Tensor& t, int64_t e) {
 
 const void* at_expert(const std::optional<at::Tensor>& t, int64_t e) {
   return t.has_value() ? at_expert(*t, e) : nullptr;
+}
+
+// t[e] over the same memory: from_blob skips the dispatcher and the view bookkeeping select pays.
+std::optional<at::Tensor> expert_of(const std::optional<at::Tensor>& t, int64_t e) {
+  if (!t.has_value()) return std::nullopt;
+  return at::from_blob(const_cast<void*>(at_expert(*t, e)), t->sizes().slice(1), t->options());
 }
 
 // A stack's scales in the dtype its format's kernels read (engines from before int4's float16 scales
@@ -213,9 +196,9 @@ at::Tensor run_experts(const at::Tensor& x, const int64_t* id, const float* w, i
   // them as kiln_cpp::gemm does took a third of that).
   const std::optional<at::Tensor> fcs = in_scale_type(fc, fc_scale), ps = in_scale_type(proj, proj_scale);
   GemmBuffers checked;
-  const GemmPlan up_like(rows_of(xs, 0, 0), expert_of(fc, 0), expert_of(fcs, 0), std::nullopt, 2 * inter, group_size,
-                         false, fc_tactics, true, checked);
-  const GemmPlan down_like(at::empty({0, inter}, x.options()), expert_of(proj, 0), expert_of(ps, 0), std::nullopt, H,
+  const GemmPlan up_like(at::empty({0, H}, x.options()), *expert_of(fc, 0), expert_of(fcs, 0), std::nullopt, 2 * inter,
+                         group_size, false, fc_tactics, true, checked);
+  const GemmPlan down_like(at::empty({0, inter}, x.options()), *expert_of(proj, 0), expert_of(ps, 0), std::nullopt, H,
                            group_size, true, proj_tactics, false, checked);
   // h: the up projections' rows (gate and up, or the activation where the kernel applied it); act:
   // the activation otherwise; ys: the down projections' rows, float32.

@@ -421,6 +421,9 @@ class BuildConfig:
     # LoRA (TensorRT-LLM's lora_config): {"max_lora_rank": R, "lora_target_modules": [...]} builds the
     # per-token adapter updates into the step (kiln/models/lora.py); None: no adapters.
     lora_config: dict | None = None
+    # The kiln_cpp ops an aoti engine calls through C functions, as declared when it was built
+    # (kiln/plugins/c_shims.py): checked against the plugins' at load.
+    c_shims: list | None = None
     kiln_version: str = __version__
     target_device: str = "cpu"
 

@@ -163,6 +163,7 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
 
             ranks = build_ranks(checkpoint_dir, pretrained, build, tmp, workers, built)
         _record_tactics(build, ranks, log)
+        build.c_shims = sorted({d for r in ranks for d in r.c_shims}) or None
         write_json(tmp / "config.json", EngineConfig(pretrained, build).to_dict())
         tokenizer_from = Path(tokenizer_dir or checkpoint_dir)
         copy_tokenizer_files(tokenizer_from, tmp)

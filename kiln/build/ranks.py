@@ -37,6 +37,7 @@ class RankBuild:
     tactics_measured: int = 0  # GEMM timings run, and those the timing cache had
     tactics_cached: int = 0
     timing_load: dict | None = None  # tactics.MachineLoad's figures while they were timed
+    c_shims: list = field(default_factory=list)  # the C shims the engine calls (kiln.plugins.c_shims)
 
 
 def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildConfig, rank: int,
@@ -56,10 +57,10 @@ def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildC
         program = export(model, pretrained, build, rank)
         del model, weights
         bar.update(1)
-        backends.COMPILERS[build.backend](program, path, build.max_autotune)
+        shims = backends.COMPILERS[build.backend](program, path, build.max_autotune)
         bar.update(1)
     return RankBuild(rank, time.time() - start, own_peak_rss_mb(), table, tactic_seconds,
-                     cache.misses if cache else 0, cache.hits if cache else 0, cache.load if cache else None)
+                     cache.misses if cache else 0, cache.hits if cache else 0, cache.load if cache else None, shims)
 
 
 def time_tactics(model, pretrained: PretrainedConfig, build: BuildConfig):

@@ -80,6 +80,10 @@ def load(backend: str, path: Path, unpacked: Path | None = None):
         # The loader itself: aoti_load_package cannot take a folder, and given a file object (a
         # path would have to end in .pt2) it first copies the whole package to a temporary file.
         serial = serial_graph_loops(Path(path).parent)
+        if uses_cpp_plugins(Path(path).parent):
+            from kiln.plugins import c_shims
+
+            c_shims.check(EngineConfig.load(Path(path).parent).build_config.c_shims, str(path))
         with huge_pages.loading(unpacked or path):
             package = torch._C._aoti.AOTIModelPackageLoader(str(unpacked or path), "model", False, 1, -1)
         return AOTIModel(package, serial)

@@ -2,7 +2,8 @@
 
 `torch.ops.kiln_cpp.paged_attention` is a `TORCH_LIBRARY` op (CPU kernel + Meta kernel) in a shared
 library built with `torch.utils.cpp_extension`. Being C++, an AOTInductor package that calls it runs
-wherever that library is loaded, with or without Python (DESIGN.md, constraint 4). The same library
+wherever that library is loaded, with or without Python (DESIGN.md, constraint 4): loaded global,
+since the package calls the ops through their C shims (kiln/plugins/c_shims.py). The same library
 holds the GEMM (`kiln_cpp::gemm`) and the runtime's token sampler (`kiln_cpp::sample`, used by
 kiln/runtime/core/sample/sampler.py).
 
@@ -20,6 +21,7 @@ C++ runner; `-march=native` would tie it to the building CPU and fail with SIGIL
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -37,12 +39,12 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.cpp", "gemm.cpp", "thread_pool.cpp", "cpu_features.cpp", "kernels_default.cpp",
            "kernels_avx2.cpp", "paged_attention_avx512.cpp", "gemm_avx512.cpp", "gemm_amx.cpp", "attention_bf16.cpp",
            "sampler.cpp", "all_reduce.cpp", "elementwise.cpp", "embedding.cpp", "moe.cpp", "lora.cpp", "lora_bf16.cpp",
-           "cpu_allocator.cpp", "attention.cpp")
+           "cpu_allocator.cpp", "attention.cpp", "c_shim.cpp")
 HEADERS = ("gemm_op.h", "paged_attention.h", "paged_attention_kernel.h", "paged_attention_x86.h", "gemm.h",
            "gemm_kernel.h",
            "gemm_avx512.h", "sampler.h", "sampler_kernel.h", "vec_common.h", "thread_pool.h",
            "elementwise.h", "elementwise_kernel.h", "lora.h", "lora_kernel.h", "amx_tiles.h", "op_dtype.h",
-           "paged_attention_op.h")
+           "paged_attention_op.h", "c_shim.h")
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with
 # OpenMP; libgomp resolves to the copy libtorch already loaded (same soname), so one thread pool.
 CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-Wall", "-Wno-unused-parameter"]
@@ -145,6 +147,8 @@ def load() -> str:
         path = _build(directory)  # cpp_extension.load loads it too
     if not is_loaded():
         raise PluginBuildError(f"{path} was loaded but did not register torch.ops.{NAME}.paged_attention")
+    # Global, so that an engine loaded later resolves the ops' C shims (c_shims.py) from it.
+    ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     _loaded = str(path)
     return _loaded
 

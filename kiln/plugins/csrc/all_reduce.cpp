@@ -46,6 +46,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "c_shim.h"
 #include "thread_pool.h"
 
 namespace kiln {
@@ -300,4 +301,14 @@ TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) {
 TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) {
   m.impl("all_reduce", &kiln::all_reduce_meta);
   m.impl("all_gather", &kiln::all_gather_meta);
+}
+
+namespace ks = kiln::shim;
+
+KILN_C_SHIM(all_reduce, (AtenTensorHandle x, const char* group, AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(all_reduce, *out = ks::handle(kiln::all_reduce_cpu(ks::tensor(x), group)));
+}
+
+KILN_C_SHIM(all_gather, (AtenTensorHandle x, int64_t world_size, const char* group, AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(all_gather, *out = ks::handle(kiln::all_gather_cpu(ks::tensor(x), world_size, group)));
 }

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <optional>
 
+#include "c_shim.h"
 #include "elementwise.h"
 #include "op_dtype.h"
 #include "paged_attention_op.h"
@@ -171,3 +172,19 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
 TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) { m.impl("attention", &kiln::attention_cpu); }
 
 TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) { m.impl("attention", &kiln::attention_meta); }
+
+namespace ks = kiln::shim;
+
+KILN_C_SHIM(attention, (AtenTensorHandle qkv, AtenTensorHandle cos, AtenTensorHandle sin, AtenTensorHandle kv_cache,
+                        int64_t layer, AtenTensorHandle slot_mapping, AtenTensorHandle ctx_token_index,
+                        AtenTensorHandle ctx_block_tables, AtenTensorHandle ctx_context_lens,
+                        AtenTensorHandle gen_token_index, AtenTensorHandle gen_block_tables,
+                        AtenTensorHandle gen_context_lens, int64_t num_heads, double scale, AtenTensorHandle* q_norm,
+                        AtenTensorHandle* k_norm, double eps, int64_t window, double softcap, AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(attention, *out = ks::handle(kiln::attention_cpu(
+                                  ks::tensor(qkv), ks::tensor(cos), ks::tensor(sin), ks::tensor(kv_cache), layer,
+                                  ks::tensor(slot_mapping), ks::tensor(ctx_token_index), ks::tensor(ctx_block_tables),
+                                  ks::tensor(ctx_context_lens), ks::tensor(gen_token_index),
+                                  ks::tensor(gen_block_tables), ks::tensor(gen_context_lens), num_heads, scale,
+                                  ks::optional(q_norm), ks::optional(k_norm), eps, window, softcap)));
+}

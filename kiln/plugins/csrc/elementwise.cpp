@@ -22,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "c_shim.h"
 #include "elementwise.h"
 #include "op_dtype.h"
 #include "paged_attention_x86.h"
@@ -218,4 +219,32 @@ TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) {
   m.impl("fused_add_rms_norm", &kiln::fused_add_rms_norm_meta);
   m.impl("rotary_embedding", &kiln::rotary_embedding_meta);
   m.impl("silu_and_mul", &kiln::silu_and_mul_meta);
+}
+
+namespace ks = kiln::shim;
+
+KILN_C_SHIM(rms_norm, (AtenTensorHandle x, AtenTensorHandle weight, double eps, AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(rms_norm, *out = ks::handle(kiln::rms_norm_cpu(ks::tensor(x), ks::tensor(weight), eps)));
+}
+
+KILN_C_SHIM(fused_add_rms_norm, (AtenTensorHandle x, AtenTensorHandle residual, AtenTensorHandle weight, double eps,
+                                 AtenTensorHandle* out, AtenTensorHandle* residual_out)) {
+  KILN_C_SHIM_BODY(fused_add_rms_norm, {
+    auto [y, sum] = kiln::fused_add_rms_norm_cpu(ks::tensor(x), ks::tensor(residual), ks::tensor(weight), eps);
+    *out = ks::handle(std::move(y));
+    *residual_out = ks::handle(std::move(sum));
+  });
+}
+
+KILN_C_SHIM(rotary_embedding, (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle cos, AtenTensorHandle sin,
+                               AtenTensorHandle* q_out, AtenTensorHandle* k_out)) {
+  KILN_C_SHIM_BODY(rotary_embedding, {
+    auto [qr, kr] = kiln::rotary_embedding_cpu(ks::tensor(q), ks::tensor(k), ks::tensor(cos), ks::tensor(sin));
+    *q_out = ks::handle(std::move(qr));
+    *k_out = ks::handle(std::move(kr));
+  });
+}
+
+KILN_C_SHIM(silu_and_mul, (AtenTensorHandle x, AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(silu_and_mul, *out = ks::handle(kiln::silu_and_mul_cpu(ks::tensor(x))));
 }

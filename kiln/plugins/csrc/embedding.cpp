@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "c_shim.h"
 #include "gemm_op.h"
 #include "thread_pool.h"
 
@@ -178,4 +179,17 @@ TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) {
 TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) {
   m.impl("embedding", &kiln::embedding_meta);
   m.impl("embedding_dequant", &kiln::embedding_dequant_meta);
+}
+
+namespace ks = kiln::shim;
+
+KILN_C_SHIM(embedding, (AtenTensorHandle packed, AtenTensorHandle ids, int64_t n, int64_t k, AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(embedding, *out = ks::handle(kiln::embedding_cpu(ks::tensor(packed), ks::tensor(ids), n, k)));
+}
+
+KILN_C_SHIM(embedding_dequant, (AtenTensorHandle packed, AtenTensorHandle scale, AtenTensorHandle ids, int64_t n,
+                                int64_t k, int64_t group_size, int32_t dtype, AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(embedding_dequant,
+                   *out = ks::handle(kiln::embedding_dequant_cpu(ks::tensor(packed), ks::tensor(scale), ks::tensor(ids),
+                                                                 n, k, group_size, static_cast<at::ScalarType>(dtype))));
 }

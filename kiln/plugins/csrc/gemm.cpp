@@ -49,6 +49,7 @@
 #include <string>
 #include <vector>
 
+#include "c_shim.h"
 #include "elementwise.h"
 #include "gemm_op.h"
 #include "op_dtype.h"
@@ -614,4 +615,22 @@ TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) {
 TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) {
   m.impl("gemm", &kiln::gemm_meta);
   m.impl("gemm_swiglu", &kiln::gemm_swiglu_meta);
+}
+
+namespace ks = kiln::shim;
+
+KILN_C_SHIM(gemm, (AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* scale, AtenTensorHandle* bias,
+                   int64_t n, int64_t group_size, int32_t out_float, const int64_t* tactics, int64_t tactics_len,
+                   AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(gemm, *out = ks::handle(kiln::gemm_cpu(ks::tensor(x), ks::tensor(weight), ks::optional(scale),
+                                                          ks::optional(bias), n, group_size, out_float != 0,
+                                                          ks::ints(tactics, tactics_len))));
+}
+
+KILN_C_SHIM(gemm_swiglu, (AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* scale, AtenTensorHandle* bias,
+                          int64_t n, int64_t group_size, const int64_t* tactics, int64_t tactics_len,
+                          AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(gemm_swiglu, *out = ks::handle(kiln::gemm_swiglu_cpu(
+                                    ks::tensor(x), ks::tensor(weight), ks::optional(scale), ks::optional(bias), n,
+                                    group_size, ks::ints(tactics, tactics_len))));
 }

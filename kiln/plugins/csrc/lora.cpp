@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "c_shim.h"
 #include "gemm.h"
 #include "lora.h"
 #include "op_dtype.h"
@@ -120,3 +121,16 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpp, m) {
 TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) { m.impl("lora", &kiln::lora_cpu); }
 
 TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) { m.impl("lora", &kiln::lora_meta); }
+
+namespace ks = kiln::shim;
+
+KILN_C_SHIM(lora, (AtenTensorHandle base, AtenTensorHandle x, AtenTensorHandle lora_slots, AtenTensorHandle lora_ranks,
+                   const AtenTensorHandle* pools, int64_t pools_len, const int64_t* offsets, int64_t offsets_len,
+                   AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(lora, {
+    std::vector<at::Tensor> pool_list;
+    for (int64_t i = 0; i < pools_len; ++i) pool_list.push_back(ks::tensor(pools[i]));
+    *out = ks::handle(kiln::lora_cpu(ks::tensor(base), ks::tensor(x), ks::tensor(lora_slots), ks::tensor(lora_ranks),
+                                     pool_list, ks::ints(offsets, offsets_len)));
+  });
+}

@@ -50,6 +50,7 @@
 #include <numeric>
 #include <vector>
 
+#include "c_shim.h"
 #include "elementwise.h"
 #include "gemm_op.h"
 #include "op_dtype.h"
@@ -397,4 +398,44 @@ TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) {
   m.impl("moe", &kiln::moe_meta);
   m.impl("moe_routed", &kiln::moe_routed_meta);
   m.impl("moe_gated", &kiln::moe_gated_meta);
+}
+
+namespace ks = kiln::shim;
+
+KILN_C_SHIM(moe, (AtenTensorHandle x, AtenTensorHandle topk_ids, AtenTensorHandle topk_weights, AtenTensorHandle fc,
+                  AtenTensorHandle* fc_scale, AtenTensorHandle proj, AtenTensorHandle* proj_scale, int64_t expert_start,
+                  int64_t inter, int64_t group_size, const int64_t* fc_tactics, int64_t fc_tactics_len,
+                  const int64_t* proj_tactics, int64_t proj_tactics_len, AtenTensorHandle* proj_act_scale,
+                  AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(moe, *out = ks::handle(kiln::moe_cpu(
+                            ks::tensor(x), ks::tensor(topk_ids), ks::tensor(topk_weights), ks::tensor(fc),
+                            ks::optional(fc_scale), ks::tensor(proj), ks::optional(proj_scale), expert_start, inter,
+                            group_size, ks::ints(fc_tactics, fc_tactics_len), ks::ints(proj_tactics, proj_tactics_len),
+                            ks::optional(proj_act_scale))));
+}
+
+KILN_C_SHIM(moe_routed, (AtenTensorHandle x, AtenTensorHandle router_logits, int64_t top_k, int32_t renormalize,
+                         AtenTensorHandle fc, AtenTensorHandle* fc_scale, AtenTensorHandle proj,
+                         AtenTensorHandle* proj_scale, int64_t expert_start, int64_t inter, int64_t group_size,
+                         const int64_t* fc_tactics, int64_t fc_tactics_len, const int64_t* proj_tactics,
+                         int64_t proj_tactics_len, AtenTensorHandle* proj_act_scale, AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(moe_routed, *out = ks::handle(kiln::moe_routed_cpu(
+                                   ks::tensor(x), ks::tensor(router_logits), top_k, renormalize != 0, ks::tensor(fc),
+                                   ks::optional(fc_scale), ks::tensor(proj), ks::optional(proj_scale), expert_start,
+                                   inter, group_size, ks::ints(fc_tactics, fc_tactics_len),
+                                   ks::ints(proj_tactics, proj_tactics_len), ks::optional(proj_act_scale))));
+}
+
+KILN_C_SHIM(moe_gated, (AtenTensorHandle x, AtenTensorHandle router, int64_t num_experts, const int64_t* router_tactics,
+                        int64_t router_tactics_len, int64_t top_k, int32_t renormalize, AtenTensorHandle fc,
+                        AtenTensorHandle* fc_scale, AtenTensorHandle proj, AtenTensorHandle* proj_scale,
+                        int64_t expert_start, int64_t inter, int64_t group_size, const int64_t* fc_tactics,
+                        int64_t fc_tactics_len, const int64_t* proj_tactics, int64_t proj_tactics_len,
+                        AtenTensorHandle* proj_act_scale, AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(moe_gated, *out = ks::handle(kiln::moe_gated_cpu(
+                                  ks::tensor(x), ks::tensor(router), num_experts,
+                                  ks::ints(router_tactics, router_tactics_len), top_k, renormalize != 0,
+                                  ks::tensor(fc), ks::optional(fc_scale), ks::tensor(proj), ks::optional(proj_scale),
+                                  expert_start, inter, group_size, ks::ints(fc_tactics, fc_tactics_len),
+                                  ks::ints(proj_tactics, proj_tactics_len), ks::optional(proj_act_scale))));
 }

@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "c_shim.h"
 #include "gemm.h"
 #include "op_dtype.h"
 #include "paged_attention.h"
@@ -400,3 +401,17 @@ TORCH_LIBRARY(kiln_cpp, m) {
 TORCH_LIBRARY_IMPL(kiln_cpp, CPU, m) { m.impl("paged_attention", &kiln::paged_attention_cpu); }
 
 TORCH_LIBRARY_IMPL(kiln_cpp, Meta, m) { m.impl("paged_attention", &kiln::paged_attention_meta); }
+
+namespace ks = kiln::shim;
+
+KILN_C_SHIM(paged_attention, (AtenTensorHandle q, AtenTensorHandle kv_cache, int64_t layer,
+                              AtenTensorHandle ctx_token_index, AtenTensorHandle ctx_block_tables,
+                              AtenTensorHandle ctx_context_lens, AtenTensorHandle gen_token_index,
+                              AtenTensorHandle gen_block_tables, AtenTensorHandle gen_context_lens, double scale,
+                              AtenTensorHandle* kv_scale, int64_t window, double softcap, AtenTensorHandle* out)) {
+  KILN_C_SHIM_BODY(paged_attention, *out = ks::handle(kiln::paged_attention_cpu(
+                                        ks::tensor(q), ks::tensor(kv_cache), layer, ks::tensor(ctx_token_index),
+                                        ks::tensor(ctx_block_tables), ks::tensor(ctx_context_lens),
+                                        ks::tensor(gen_token_index), ks::tensor(gen_block_tables),
+                                        ks::tensor(gen_context_lens), scale, ks::optional(kv_scale), window, softcap)));
+}

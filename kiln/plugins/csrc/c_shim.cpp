@@ -15,8 +15,6 @@ std::vector<std::string> declarations_op() { return registry(); }
 
 }  // namespace
 
-const std::vector<std::string>& declarations() { return registry(); }
-
 Declare::Declare(const char* declaration) { registry().emplace_back(declaration); }
 
 }  // namespace kiln::shim

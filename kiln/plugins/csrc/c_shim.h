@@ -23,8 +23,6 @@
 
 namespace kiln::shim {
 
-const std::vector<std::string>& declarations();
-
 struct Declare {
   explicit Declare(const char* declaration);
 };
@@ -32,7 +30,11 @@ struct Declare {
 inline const at::Tensor& tensor(AtenTensorHandle h) { return *torch::aot_inductor::tensor_handle_to_tensor_pointer(h); }
 
 inline std::optional<at::Tensor> optional(AtenTensorHandle* h) {
-  return h == nullptr ? std::nullopt : std::optional<at::Tensor>(tensor(*h));
+  return torch::aot_inductor::pointer_to_optional<at::Tensor>(h);
+}
+
+inline std::vector<at::Tensor> tensors(const AtenTensorHandle* data, int64_t len) {
+  return torch::aot_inductor::pointer_to_list<at::Tensor>(data, len);
 }
 
 inline c10::IntArrayRef ints(const int64_t* data, int64_t len) { return {data, static_cast<size_t>(len)}; }

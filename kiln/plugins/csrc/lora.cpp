@@ -127,10 +127,7 @@ namespace ks = kiln::shim;
 KILN_C_SHIM(lora, (AtenTensorHandle base, AtenTensorHandle x, AtenTensorHandle lora_slots, AtenTensorHandle lora_ranks,
                    const AtenTensorHandle* pools, int64_t pools_len, const int64_t* offsets, int64_t offsets_len,
                    AtenTensorHandle* out)) {
-  KILN_C_SHIM_BODY(lora, {
-    std::vector<at::Tensor> pool_list;
-    for (int64_t i = 0; i < pools_len; ++i) pool_list.push_back(ks::tensor(pools[i]));
-    *out = ks::handle(kiln::lora_cpu(ks::tensor(base), ks::tensor(x), ks::tensor(lora_slots), ks::tensor(lora_ranks),
-                                     pool_list, ks::ints(offsets, offsets_len)));
-  });
+  KILN_C_SHIM_BODY(lora, *out = ks::handle(kiln::lora_cpu(ks::tensor(base), ks::tensor(x), ks::tensor(lora_slots),
+                                                          ks::tensor(lora_ranks), ks::tensors(pools, pools_len),
+                                                          ks::ints(offsets, offsets_len))));
 }

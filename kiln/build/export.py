@@ -3,8 +3,8 @@ import torch
 from torch.export import Dim
 
 from kiln.config import BuildConfig, PretrainedConfig, torch_dtype
-from kiln.engine.format import (HIDDEN_STATES, LORA_POOLS, LORA_RANKS, LORA_SLOTS, SEQUENCE_LENS, kv_cache_dtype,
-                               lora_pool_shapes)
+from kiln.engine.format import (HIDDEN_STATES, LORA_POOLS, LORA_RANKS, LORA_SLOTS, OP_LIBRARIES, SEQUENCE_LENS,
+                               kv_cache_dtype, lora_pool_shapes, op_libraries)
 
 
 def example_inputs(pretrained: PretrainedConfig, build: BuildConfig, num_blocks: int = 16, rank: int = 0):
@@ -77,4 +77,19 @@ def dynamic_shapes(build: BuildConfig, inputs: dict):
 def export(model: torch.nn.Module, pretrained: PretrainedConfig, build: BuildConfig, rank: int = 0):
     inputs = example_inputs(pretrained, build, rank=rank)
     with torch.no_grad():
-        return torch.export.export(model, (), inputs, dynamic_shapes=dynamic_shapes(build, inputs), strict=False)
+        program = torch.export.export(model, (), inputs, dynamic_shapes=dynamic_shapes(build, inputs), strict=False)
+    check_op_libraries(program, pretrained, build)
+    return program
+
+
+def check_op_libraries(program, pretrained: PretrainedConfig, build: BuildConfig) -> None:
+    """The graph calls no op library that op_libraries does not name for its config: the runtime
+    registers those, and only those, before it deserializes the engine."""
+    named = set(op_libraries(pretrained, build))
+    calls = {f"{node.target.namespace}::{node.target._opname}" for node in program.graph.nodes
+             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+             and node.target.namespace in OP_LIBRARIES and node.target.namespace not in named}
+    if calls:
+        raise RuntimeError(f"the engine calls {', '.join(sorted(calls))}, from a library that "
+                           f"kiln.engine.format.op_libraries does not name for its config: a loading process "
+                           f"would not register it")

@@ -60,9 +60,23 @@ def plugin_config(engine_dir) -> dict:
         return {}
 
 
-def uses_cpp_plugins(engine_dir) -> bool:
-    """Whether the engine in engine_dir was built with a C++ plugin (kiln_cpp:: ops in its graph)."""
-    return "cpp" in plugin_config(engine_dir).values()
+# The custom-op libraries an engine's graph may call: the kiln:: Python ops (kiln/plugins/ops.py) and
+# the kiln_cpp:: C++ plugins (kiln/plugins/cpp.py, built once per machine).
+OP_LIBRARIES = ("kiln", "kiln_cpp")
+
+
+def op_libraries(pretrained: PretrainedConfig, build: BuildConfig) -> tuple[str, ...]:
+    """The op libraries an engine of this config calls, which must be registered before its graph is
+    deserialized (an eager engine names its ops in the serialized graph; an aoti one resolves the
+    kiln_cpp C shims when it loads). Decided here, from the config alone, for every entry point; the
+    build checks the exported graph against it (kiln/build/export.py)."""
+    plugins = build.plugin_config
+    libraries = ["kiln"]  # cheap, and whatever a plugin value names a Python op
+    # A mixture of experts always runs the fused kiln_cpp::moe op, and tensor parallelism kiln_cpp's
+    # collectives, whatever the plugins: neither has an inline form.
+    if "cpp" in plugins.values() or pretrained.moe.num_experts or pretrained.mapping.tp_size > 1:
+        libraries.append("kiln_cpp")
+    return tuple(libraries)
 
 
 def warmup_inputs() -> dict:

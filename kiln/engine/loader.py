@@ -9,7 +9,7 @@ import torch.utils._pytree as pytree
 from kiln.config import ConfigError, EngineConfig, torch_dtype
 from kiln.engine import extraction, huge_pages
 from kiln.engine.format import (HIDDEN_STATES, LORA_POOLS, LORA_RANKS, LORA_SLOTS, SEQUENCE_LENS, STEP_INPUTS,
-                               engine_file, kv_cache_dtype, lora_pool_shapes, plugin_config, uses_cpp_plugins)
+                               engine_file, kv_cache_dtype, lora_pool_shapes, op_libraries, plugin_config)
 
 
 class AOTIModel:
@@ -63,27 +63,34 @@ def use_caching_allocator() -> None:
     torch.ops.kiln_cpp.use_caching_allocator(choice == "caching", huge_pages.enabled())
 
 
+def register_ops(config: EngineConfig) -> None:
+    """Registers the op libraries the engine calls (kiln.engine.format.op_libraries), before its graph
+    is deserialized: whichever entry point loads it, in whatever fresh process."""
+    import kiln.plugins  # noqa: F401  (the kiln:: Python ops)
+
+    if "kiln_cpp" in op_libraries(config.pretrained_config, config.build_config):
+        from kiln.plugins import cpp
+
+        cpp.ensure_built()  # registers the kiln_cpp:: ops (building them once if this machine has not)
+        use_caching_allocator()
+
+
 def load(backend: str, path: Path, unpacked: Path | None = None):
     """A callable taking the step inputs as keyword arguments and returning logits.
 
     unpacked: for aoti, a folder holding the files of the package at path
     (kiln/engine/extraction.py), which AOTInductor's loader runs from without writing anything;
     without it the loader unpacks the package into $TMPDIR itself."""
-    import kiln.plugins  # noqa: F401  (registers the kiln:: ops the engine calls)
-
-    if uses_cpp_plugins(Path(path).parent):
-        from kiln.plugins import cpp
-
-        cpp.ensure_built()  # registers the kiln_cpp:: ops (building them once if this machine has not)
-        use_caching_allocator()
+    config = EngineConfig.load(Path(path).parent)
+    register_ops(config)
     if backend == "aoti":
         # The loader itself: aoti_load_package cannot take a folder, and given a file object (a
         # path would have to end in .pt2) it first copies the whole package to a temporary file.
         serial = serial_graph_loops(Path(path).parent)
-        if uses_cpp_plugins(Path(path).parent):
+        if "kiln_cpp" in op_libraries(config.pretrained_config, config.build_config):
             from kiln.plugins import c_shims
 
-            c_shims.check(EngineConfig.load(Path(path).parent).build_config.c_shims, str(path))
+            c_shims.check(config.build_config.c_shims, str(path))
         with huge_pages.loading(unpacked or path):
             package = torch._C._aoti.AOTIModelPackageLoader(str(unpacked or path), "model", False, 1, -1)
         return AOTIModel(package, serial)

@@ -1,4 +1,4 @@
-"""The engine format: what a rank engine takes and returns (DESIGN.md, "The engine step").
+"""The engine format: what a rank engine takes and returns (DESIGN.md, "The engine format").
 
 engine-build writes an engine dir of `config.json` (`pretrained_config` + `build_config`) and one
 `rank{N}.engine` per rank; the runtime loads them (kiln/engine/loader.py). Both sides agree on the

@@ -4,7 +4,7 @@ sliding windows per layer) and of the mixtures of experts (Mixtral, Qwen2-MoE, Q
 on kiln plugins.
 
 One rank's model: it holds the layers of its pipeline stage and runs one engine step (DESIGN.md,
-"The engine step") over a flat, unpadded token batch that mixes prefill chunks and decode tokens.
+"The engine format") over a flat, unpadded token batch that mixes prefill chunks and decode tokens.
 """
 import dataclasses
 import functools

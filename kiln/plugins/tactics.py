@@ -329,6 +329,22 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
+def format_choices(table: dict) -> str:
+    """One line per GEMM: the kernel chosen for each range of token counts (engine-build's default)."""
+    lines = []
+    for key, entry in table.items():
+        spans, low = [], 1
+        for row in entry["buckets"]:
+            if spans and spans[-1][2] == row["kernel"]:
+                spans[-1][1] = row["m_max"]
+            else:
+                spans.append([low, row["m_max"], row["kernel"]])
+            low = row["m_max"] + 1
+        chosen = ", ".join(f"{k} for M {a}-{b}" if a != b else f"{k} for M {a}" for a, b, k in spans)
+        lines.append(f"  {key} ({entry['layers']} layer{'s' if entry['layers'] > 1 else ''}): {chosen}")
+    return "\n".join(lines)
+
+
 def kernels_of(table: dict) -> set[int]:
     ids = kernel_ids()
     return {ids[row["kernel"]] for entry in table.values() for row in entry["buckets"]}

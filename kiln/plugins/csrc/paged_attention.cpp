@@ -1,7 +1,7 @@
 // kiln_cpp::paged_attention: the C++ CPU paged-attention plugin.
 //
 // Same semantics as kiln/plugins/reference.py's paged_attention (the spec), over one engine step
-// (DESIGN.md, "The engine step"): q [T, H, D]; kv_cache [L, 2, blocks, block_size, KH, D];
+// (DESIGN.md, "The engine format"): q [T, H, D]; kv_cache [L, 2, blocks, block_size, KH, D];
 // context requests ctx_token_index [Sc, Qmax] (-1 padded), ctx_block_tables [Sc, MBc],
 // ctx_context_lens [Sc] (cached + new tokens); generation requests gen_token_index [Sg],
 // gen_block_tables [Sg, MBg], gen_context_lens [Sg]; kv_scale, an 8-bit (int8, fp8 e4m3) pool's

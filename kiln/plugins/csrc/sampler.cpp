@@ -1,5 +1,6 @@
-// kiln_cpp::sample and kiln_cpp::process_logits: the token sampler of kiln/runtime/sampler.py
-// (the spec, vLLM's semantics) for a whole batch in one call, one pass per row, rows in parallel.
+// kiln_cpp::sample and kiln_cpp::process_logits: the token sampler of
+// kiln/runtime/core/sample/torch_sampler.py (the spec, vLLM's semantics) for a whole batch in one
+// call, one pass per row, rows in parallel.
 //
 //   sample(logits [N, V] float32, fparams [N, 6] float32, iparams [N, 6] int64, history, history_offsets [2N + 1],
 //          banned, banned_offsets [N + 1], int max_logprobs)
@@ -9,9 +10,9 @@
 //   allowed (both, optional): [N, ceil(V / 32)] int32, guided decoding's bitmask of the allowed
 //     tokens, applied before anything else (raw logprobs included)
 //
-// The columns of fparams / iparams and the history layout are sampler.h's; kiln/runtime/sampler_cpp.py
-// packs them from SampleRows. logprobs / ranks / top_* rows of rows without logprobs are left
-// unset. This file validates the inputs and runs the kernel ATen's CPU-capability dispatch would
+// The columns of fparams / iparams and the history layout are sampler.h's; _pack in
+// kiln/runtime/core/sample/sampler.py packs them from SampleRows. logprobs / ranks / top_* rows of
+// rows without logprobs are left unset. This file validates the inputs and runs the kernel ATen's CPU-capability dispatch would
 // pick (sampler_kernel.h, built once per capability).
 
 #include <ATen/Parallel.h>

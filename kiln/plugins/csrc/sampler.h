@@ -6,7 +6,7 @@
 
 namespace kiln {
 
-// Columns of SamplerBatch::fparams and ::iparams (kiln/runtime/sampler_cpp.py packs them).
+// Columns of SamplerBatch::fparams and ::iparams (kiln/runtime/core/sample/sampler.py packs them).
 enum SamplerFloat : int64_t { kTemperature, kTopP, kMinP, kRepetition, kFrequency, kPresence, kNumFloat };
 enum SamplerInt : int64_t { kGreedy, kTopK, kNumLogprobs, kSeed, kStream, kPosition, kNumInt };
 

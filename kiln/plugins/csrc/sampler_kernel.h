@@ -1,6 +1,6 @@
 // The sampler's per-row kernel, written once against ATen's at::vec::Vectorized<float> and compiled
 // once per CPU capability (sampler_<cap>.cpp defines CPU_CAPABILITY and the target options, as
-// paged_attention_kernel.h is built). Semantics: kiln/runtime/sampler.py (vLLM's), the spec.
+// paged_attention_kernel.h is built). Semantics: kiln/runtime/core/sample/torch_sampler.py (vLLM's), the spec.
 //
 // Each row is a few passes over its vocab, never a sort of it:
 // - greedy: argmax of the (penalized) logits;
@@ -19,7 +19,7 @@
 //   by a heap (vectors below its worst are skipped whole), the rank by counting the tokens with a
 //   larger logprob.
 // A draw's uniforms are a hash of (seed, stream, position, round) (splitmix64), so they need no
-// state and do not depend on the batch; kiln/runtime/sampler.py's draw_uniform is the same hash.
+// state and do not depend on the batch; kiln/runtime/core/sample/rows.py's draw_uniform is the same hash.
 //
 // No static data in this file (see paged_attention_kernel.h).
 

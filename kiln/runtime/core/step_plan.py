@@ -1,4 +1,4 @@
-"""Plans a scheduled step: the engine's flat input tensors (DESIGN.md, "The engine step"; their
+"""Plans a scheduled step: the engine's flat input tensors (DESIGN.md, "The engine format"; their
 names: kiln/engine/format.py) and which rows of the logits it returns go where.
 
 A speculating sequence (DESIGN.md) goes through the context phase with its last token and its

@@ -35,7 +35,7 @@ def decode_bytes_per_token(engine, context: int) -> int:
     experts only), at the width the engine stores them, plus the K/V of `context` tokens. Quantized
     linears count their packed bytes (int4: half a byte and a float16 scale per group); the router,
     norms and biases, a few percent of the parameters, are counted at the linears' width too."""
-    from kiln.build.builder import lm_head_quantization
+    from kiln.build.settings import lm_head_quantization
     from kiln.models.linear import INT4_ALGOS
 
     p, build = engine.config.pretrained_config, engine.config.build_config

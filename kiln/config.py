@@ -374,7 +374,9 @@ ELEMENTWISE_PLUGINS = ("rmsnorm_plugin", "rope_plugin", "swiglu_plugin")
 class BuildConfig:
     max_batch_size: int = 8
     max_input_len: int = 512
-    max_seq_len: int = 1024
+    # None: the model's max_position_embeddings (times its rope factor), as trtllm-build deduces it
+    # (kiln.build.builder.resolve_max_seq_len).
+    max_seq_len: int | None = None
     max_num_tokens: int = 1024
     tokens_per_block: int = 32
     # The widest beam search a request may ask for (TensorRT-LLM's flag and default); each beam is a
@@ -384,14 +386,16 @@ class BuildConfig:
     backend: str = "aoti"
     max_autotune: bool | None = None  # None: on where it pays (aoti with bf16/fp16 weights)
     # TensorRT-LLM's names. None or "inline": trace the op inline for the backend's compiler to fuse
-    # (fastest under AOTInductor on CPU); "auto": keep it a kiln:: plugin node in the graph. For
+    # (fastest under AOTInductor on CPU); "python": keep it a kiln:: plugin node in the graph. For
     # gpt_attention_plugin, "cpp": the C++ paged-attention op (torch.ops.kiln_cpp, kiln/plugins/cpp.py),
     # which reads the KV pages in place and runs in AOTInductor packages without Python; None there
     # lets the builder choose (cpp for aoti, else inline). gemm_plugin
     # "cpp": every linear on the C++ GEMM op (kiln/plugins/gemm.py: packed, possibly quantized weights);
     # None lets the builder choose (cpp for aoti with bf16/fp16 or quantized weights, else inline).
     # rmsnorm/rope/swiglu_plugin "cpp": kiln_cpp's elementwise ops on the kernels' thread pool; None
-    # lets the builder choose (cpp where both plugins above are cpp, else inline).
+    # lets the builder choose (cpp where both plugins above are cpp, else inline). TensorRT-LLM's values
+    # are taken with its meaning (kiln.build.builder.resolve_plugins): "auto" or a dtype turn a
+    # plugin on (cpp), "disable" off (inline).
     plugin_config: dict = field(default_factory=lambda: {
         "gpt_attention_plugin": None, "gemm_plugin": None, "rmsnorm_plugin": None, "rope_plugin": None,
         "swiglu_plugin": None,
@@ -407,7 +411,7 @@ class BuildConfig:
     # False: W8A16/W4A16 as the format specifies.
     int8_activations: bool = True
     # The lm_head RTN-quantized at build: "int8" (per row), "int4" (per group), "none", or None for
-    # the builder's choice (kiln.build.builder.lm_head_quantization: int8 for int8/int4 weight-only
+    # the builder's choice (kiln.build.settings.lm_head_quantization: int8 for int8/int4 weight-only
     # checkpoints). A tied embedding reads its rows out of the same table. (True / False: engines
     # built before, meaning the checkpoint's width / none.)
     quantize_lm_head: str | bool | None = None
@@ -432,9 +436,9 @@ class BuildConfig:
             raise ConfigError(f"backend {self.backend!r} is not supported; expected one of {', '.join(BACKENDS)}")
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block",
                      "max_beam_width"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_input_len > self.max_seq_len:
+        if self.max_seq_len is not None and self.max_input_len > self.max_seq_len:
             raise ConfigError(
                 f"max_input_len ({self.max_input_len}) must not exceed max_seq_len ({self.max_seq_len})"
             )

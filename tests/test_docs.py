@@ -75,7 +75,8 @@ def test_the_sections_and_constraints_the_code_cites_exist():
     assert not bad, bad
 
 
-@pytest.mark.parametrize("text, found", [('see (DESIGN.md, "No such section")', ["No such section"]),
+# Spelled in two parts, so that this file does not cite a section itself.
+@pytest.mark.parametrize("text, found", [("see (DESIGN" + '.md, "No such section")', ["No such section"]),
                                          ("(DESIGN.md, constraint 4)", []), ("/opt/kiln/cache", [])])
 def test_the_checks_find_what_they_look_for(text, found):
     assert CITATION.findall(text) == found

@@ -15,8 +15,8 @@ from tiny_models import PROMPTS
 
 NEW_TOKENS = 24
 # Every op a kiln:: custom-op node (the plugin path TensorRT-LLM's flags name) instead of inline code.
-KILN_PLUGINS = {"plugin_config": {"rmsnorm_plugin": "auto", "rope_plugin": "auto", "swiglu_plugin": "auto",
-                                  "gpt_attention_plugin": "auto", "gemm_plugin": None}}
+KILN_PLUGINS = {"plugin_config": {"rmsnorm_plugin": "python", "rope_plugin": "python", "swiglu_plugin": "python",
+                                  "gpt_attention_plugin": "python", "gemm_plugin": None}}
 # The norms, rope and SwiGLU on kiln_cpp's C++ ops (tests/test_cpp_elementwise.py): q/k norm on strided
 # views, rope scaling.
 CPP_ELEMENTWISE = {"plugin_config": {"rmsnorm_plugin": "cpp", "rope_plugin": "cpp", "swiglu_plugin": "cpp"}}

@@ -2,6 +2,7 @@
 kiln/engine/loader.py)."""
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -18,7 +19,9 @@ def compile_aoti(program, path: Path, max_autotune: bool) -> list[str]:
     # AOTInductor insists on a .pt2 name; the engine dir calls it rank{N}.engine.
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         package = Path(tmp) / "model.pt2"
-        torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
+        with warnings.catch_warnings():  # torch's own deprecation, raised by its own pickling of tree specs
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
         os.replace(package, path)
     return sorted(d for declared in shims.values() for d in declared)
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 import click
 
 from kiln.config import DTYPES, ConfigError
+from kiln.convert import trtllm_flags
 from kiln.convert.quantize.formats import AWQ_ALGORITHMS, DEFAULT_AWQ_ALGORITHM, KV_CACHE_DTYPES, QFORMATS
 
 if TYPE_CHECKING:
@@ -81,6 +82,23 @@ def _convert_quantized(cfg, quant, model_dir: Path, output_dir: Path, log) -> Pa
     return output_dir
 
 
+def auto_dtype(model_dir: Path) -> str:
+    """TensorRT-LLM's --dtype auto: the HF config's dtype, float32 turned float16."""
+    from kiln.convert.hf_config import default_dtype, read_hf_config
+
+    dtype = default_dtype(read_hf_config(Path(model_dir)))
+    if dtype == "float32":
+        click.echo("--dtype auto: the checkpoint is float32; converting to float16, as TensorRT-LLM does")
+        return "float16"
+    return dtype
+
+
+def trtllm_options(f):
+    for option in reversed(trtllm_flags.click_options()):
+        f = option(f)
+    return f
+
+
 def peak_rss_mb() -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
@@ -116,16 +134,17 @@ def _quant_note(quant, output_dir: Path) -> str:
 @click.option("--output_dir", required=True, type=click.Path(path_type=Path),
               help="Checkpoint dir to write: config.json, rank{N}.safetensors and the tokenizer "
                    "files. An existing checkpoint there is replaced only once the new one is complete.")
-@click.option("--dtype", type=click.Choice(DTYPES), default=None,
-              help="Weight dtype of the checkpoint. Default: the HF config's torch_dtype, else float32.")
+@click.option("--dtype", type=click.Choice(("auto", *DTYPES)), default=None,
+              help="Weight dtype of the checkpoint. Default: the HF config's torch_dtype, else float32. auto "
+                   "(TensorRT-LLM's): the HF config's, float32 turned float16.")
 @click.option("--tp_size", type=int, default=1, show_default=True,
               help="Tensor-parallel size: attention heads, MLP and vocab are split across this many ranks.")
 @click.option("--pp_size", type=int, default=1, show_default=True,
               help="Pipeline-parallel size: layers are split into this many consecutive stages.")
-@click.option("--moe_tp_size", type=int, default=None,
+@click.option("--moe_tp_size", type=int, default=None, callback=lambda c, p, v: None if v == -1 else v,
               help="Mixtures of experts: ranks sharing each expert (its width split, as a dense MLP's). "
                    "moe_tp_size * moe_ep_size = tp_size; default tp_size (or tp_size / --moe_ep_size).")
-@click.option("--moe_ep_size", type=int, default=None,
+@click.option("--moe_ep_size", type=int, default=None, callback=lambda c, p, v: None if v == -1 else v,
               help="Mixtures of experts: expert-parallel groups, each holding num_experts / moe_ep_size "
                    "whole experts. Default 1 (or tp_size / --moe_tp_size).")
 @click.option("--qformat", type=click.Choice(QFORMATS), default=None,
@@ -152,21 +171,27 @@ def _quant_note(quant, output_dir: Path) -> str:
                    "used for calibration are the accuracy report's text unless --eval_dataset is given.")
 @click.option("--calib_size", type=int, default=512, show_default=True,
               help="Calibration samples (windows of --calib_max_seq_len tokens).")
-@click.option("--calib_max_seq_len", type=int, default=512, show_default=True,
+@click.option("--calib_max_seq_len", "--calib_max_seq_length", type=int, default=512, show_default=True,
               help="Tokens per calibration sample and per evaluation window.")
 @click.option("--eval_dataset", type=click.Path(path_type=Path), multiple=True,
               help="Held-out text for the accuracy report, in --calib_dataset's forms. Repeatable.")
 @click.option("--eval_size", type=int, default=64, show_default=True,
               help="Evaluation windows for the accuracy report, spread over the text; 0: all.")
+@trtllm_options
 @click.pass_context
 def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | None,
          tp_size: int, pp_size: int, moe_tp_size: int | None, moe_ep_size: int | None, qformat: str | None,
          awq_algorithm: str, kv_cache_dtype: str | None,
          group_size: int | None, calib_dataset: tuple[Path, ...], calib_size: int, calib_max_seq_len: int,
-         eval_dataset: tuple[Path, ...], eval_size: int) -> None:
+         eval_dataset: tuple[Path, ...], eval_size: int, **trtllm) -> None:
     """Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 or Mixtral/Qwen2-MoE/Qwen3-MoE model into a
     TensorRT-LLM-style unified checkpoint with tp_size * pp_size rank files, ready for `engine-build`,
     optionally quantized.
+
+    TensorRT-LLM's convert_checkpoint.py options are taken with its meaning: --use_fp8, --use_weight_only
+    --weight_only_precision int8|int4|int4_awq|int4_gptq, --smoothquant ALPHA [--per_channel],
+    --int8_kv_cache, --fp8_kv_cache, --dtype auto, ... (calibrating on Python's standard library where
+    no --calib_dataset is given); those Kiln's converter does not need are accepted and said in one line.
 
     \b
     Examples:
@@ -179,20 +204,44 @@ def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | Non
 
     start = time.perf_counter()
     quant = None
-    if qformat or kv_cache_dtype:
-        from kiln.convert.quantize.pipeline import QuantOptions
-
-        quant = QuantOptions(qformat, kv_cache_dtype, group_size, list(calib_dataset) or None,
-                             calib_size, calib_max_seq_len, list(eval_dataset) or None, eval_size,
-                             awq_algorithm)
     try:
-        convert_checkpoint(model_dir, output_dir, dtype, tp_size, pp_size, progress=True, quant=quant,
-                           log=lambda msg: click.echo(msg, err=True), moe_tp_size=moe_tp_size,
+        quiet = trtllm.pop("log_level") in ("warning", "error", "internal_error")
+        for line in trtllm_flags.notes(trtllm):
+            click.echo(line)
+        theirs = trtllm_flags.quantization(trtllm)
+        alpha = None
+        if theirs is not None:
+            for line in theirs.notes:
+                click.echo(line)
+            if qformat and theirs.qformat not in (None, qformat) or kv_cache_dtype and theirs.kv_cache_dtype not in (
+                    None, kv_cache_dtype):
+                raise ConfigError(f"--qformat/--kv_cache_dtype ({qformat}, {kv_cache_dtype}) and TensorRT-LLM's flags "
+                                  f"({theirs.qformat}, {theirs.kv_cache_dtype}) ask for different quantizations")
+            qformat, kv_cache_dtype = qformat or theirs.qformat, kv_cache_dtype or theirs.kv_cache_dtype
+            alpha = theirs.smoothquant_alpha
+        if dtype == "auto":
+            dtype = auto_dtype(model_dir)
+        if qformat or kv_cache_dtype:
+            from kiln.convert.quantize.pipeline import QuantOptions
+
+            quant = QuantOptions(qformat, kv_cache_dtype, group_size, list(calib_dataset) or None,
+                                 calib_size, calib_max_seq_len, list(eval_dataset) or None, eval_size,
+                                 awq_algorithm, alpha, default_calibration=theirs is not None and
+                                 theirs.default_calibration)
+            if quant.default_calibration and quant.calibrated and not calib_dataset:
+                from kiln.convert.quantize.calib import DEFAULT_PACKAGES
+
+                click.echo(f"no --calib_dataset: calibrating on Python's standard library ({', '.join(DEFAULT_PACKAGES)}), "
+                           f"where TensorRT-LLM downloads cnn_dailymail")
+        convert_checkpoint(model_dir, output_dir, dtype, tp_size, pp_size, progress=not quiet, quant=quant,
+                           log=lambda msg: quiet or click.echo(msg, err=True), moe_tp_size=moe_tp_size,
                            moe_ep_size=moe_ep_size)
         arch = read_json(output_dir / "config.json")["architecture"]
     except (ConfigError, OSError) as e:  # OSError: disk full, permissions - one line, no traceback
         click.echo(f"error: {e}", err=True)
         ctx.exit(1)
+    if quiet:
+        return
     if quant is not None:
         _echo_report(output_dir)
     click.echo(summary(arch, output_dir, time.perf_counter() - start, _quant_note(quant, output_dir)))

@@ -291,10 +291,10 @@ def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
     if family == "olmo2":  # norms on the blocks' outputs, and q/k norms over the whole projections
         extra.update(pre_norm=False, post_norm=True, qk_layernorm_scope="projection")
     if family in GEMMA:
-        extra.update(_gemma(hf, family, get, dtype or _default_dtype(hf)), rotary_base_local=local_theta)
+        extra.update(_gemma(hf, family, get, dtype or default_dtype(hf)), rotary_base_local=local_theta)
     return PretrainedConfig(
         architecture=arch,
-        dtype=dtype or _default_dtype(hf),
+        dtype=dtype or default_dtype(hf),
         vocab_size=hf["vocab_size"],
         hidden_size=hidden,
         num_hidden_layers=hf["num_hidden_layers"],
@@ -523,7 +523,7 @@ def _check_qwen2_moe_layer_types(hf: dict, get, n: int) -> None:
                           f"'full_attention' on every layer")
 
 
-def _default_dtype(hf: dict) -> str:
+def default_dtype(hf: dict) -> str:
     # transformers >= 4.56 writes "dtype"; older versions "torch_dtype".
     key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
     name = hf.get(key) or "float32"

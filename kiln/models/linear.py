@@ -172,7 +172,7 @@ class PackedLinear(nn.Module):
 
 def packed_lm_head(config: PretrainedConfig, weight: torch.Tensor, quantize: str = "none") -> PackedLinear:
     """The vocab GEMM (float32 logits) on the plugin. quantize (engine-build --quantize_lm_head,
-    resolved by kiln.build.builder.lm_head_quantization): "int8" per row, "int4" with the checkpoint's
+    resolved by kiln.build.settings.lm_head_quantization): "int8" per row, "int4" with the checkpoint's
     group size (else the largest of 64 and 32 dividing K), both round-to-nearest at build time, or
     "none"."""
     n, k = weight.shape

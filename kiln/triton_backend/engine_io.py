@@ -200,7 +200,8 @@ def parse_request(tensors: dict, *, decoupled: bool, exclude_input_default: bool
         try:
             sampling = sampling_fields(get("runtime_top_k"), get("runtime_top_p"), get("temperature"))
             params = SamplingParams(
-                **sampling, n=n, max_tokens=max_tokens, min_tokens=get("min_tokens", 0), seed=get("seed"),
+                **sampling, n=n, max_tokens=max_tokens, min_tokens=get("min_tokens", get("min_length", 0)),
+                seed=get("seed", get("random_seed")),
                 repetition_penalty=get("repetition_penalty", 1.0), presence_penalty=get("presence_penalty", 0.0),
                 frequency_penalty=get("frequency_penalty", 0.0), ignore_eos=get("end_id") is not None,
                 stop_token_ids=stop_ids, stop=stop_texts, include_stop_str_in_output=True, bad_words_ids=bad_words,

@@ -17,7 +17,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from kiln.config import EngineConfig
-from kiln.triton_backend import parameters
+from kiln.triton_backend import parameters, upstream
 from kiln.triton_backend.engine_host import EngineHost
 from kiln.triton_backend.engine_io import RequestError, Row, Tracker, merge, parse_request
 from kiln.triton_backend.metrics import EngineMetrics
@@ -44,14 +44,25 @@ class Job:
 
 
 class TritonPythonModel(EngineHost):
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        """Triton's auto-complete (on unless the server disables it): a config that leaves out the
+        inputs and outputs, as configs written for TensorRT-LLM's backend may, gets Kiln's."""
+        return upstream.complete_io(auto_complete_model_config)
+
     def initialize(self, args):
         from kiln.runtime.frontend.async_llm import AsyncLLM  # here: Triton may import this module just to read its config
 
         config = json.loads(args["model_config"])
         try:
-            p = parameters.read(config.get("parameters", {}), PARAMS)
+            if config.get("backend") == upstream.BACKEND:  # a config written for TensorRT-LLM's own backend
+                p, notes = upstream.read_parameters(config.get("parameters", {}), PARAMS)
+                for note in notes:
+                    pb_utils.Logger.log_info(f"{args['model_name']}: {note}")
+            else:
+                p = parameters.read(config.get("parameters", {}), PARAMS)
         except parameters.ParamError as e:
-            raise pb_utils.TritonModelException(f"tensorrt_llm: {e}") from None
+            raise pb_utils.TritonModelException(f"{args['model_name']}: {e}") from None
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.exclude_input = p["exclude_input_in_output"]
         self.cancel_period = p["cancellation_check_period_ms"] / 1000

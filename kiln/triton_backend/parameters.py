@@ -2,10 +2,14 @@
 with its type, default and check. `kiln triton-repo --param`, `--check` and the models at load all
 read values through `parse`, so a bad value gets the same one-line message wherever it is found."""
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.config import ConfigError, EngineConfig
+
+
+PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
 
 class ParamError(ValueError):

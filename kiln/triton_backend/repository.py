@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 
 from kiln.config import EngineConfig
-from kiln.triton_backend.parameters import PARAMETERS, ParamError, parse, read
+from kiln.triton_backend import upstream
+from kiln.triton_backend.parameters import PARAMETERS, PLACEHOLDER, ParamError, parse, read
 
 TEMPLATE_ROOT = Path(__file__).parent / "templates"
 TEMPLATES = TEMPLATE_ROOT / "inflight_batcher_llm"
@@ -31,7 +32,6 @@ MODEL_PARAMETERS = {
     "preprocessing": ["tokenizer_dir", "add_special_tokens"],
     "postprocessing": ["tokenizer_dir", "skip_special_tokens"],
 }
-PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 
 
 def resolve(engine_dir, overrides: dict[str, str]) -> dict[str, str]:
@@ -152,42 +152,34 @@ def write_repository(engine_dir, output_dir, overrides: dict[str, str], overwrit
 
 
 def check_repository(repo) -> list[str]:
-    """Every problem of a repository (ours, or one filled by hand from the templates); [] if none."""
+    """Every problem of a repository (ours, one filled by hand from the templates, or one whose
+    tensorrt_llm was written for TensorRT-LLM's own backend); [] if none. A repository may hold any
+    of the layout's models; the ensemble needs its steps."""
     repo = Path(repo)
     if not repo.is_dir():
         return [f"{repo} is not a directory"]
     if (repo / "tensorrt_llm" / "1" / "model.yaml").is_file() and not (repo / "ensemble").exists():
         return _check_llmapi(repo)
+    present = [m for m in MODELS if (repo / m / "config.pbtxt").is_file()]
+    if not present:
+        return [f"{repo} holds none of the models {', '.join(MODELS)} (each a folder with a config.pbtxt)"]
     problems, configs = [], {}
-    for model in MODELS:
-        path = repo / model / "config.pbtxt"
-        if not path.is_file():
-            problems.append(f"{model}/config.pbtxt is missing")
-            continue
-        if model in PYTHON_MODELS and not (repo / model / "1" / "model.py").is_file():
-            problems.append(f"{model}/1/model.py is missing")
-        if model == "ensemble" and not (repo / model / "1").is_dir():
-            problems.append("ensemble/1/ is missing (Triton needs the version directory)")
-        text = path.read_text()
+    for model in present:
+        text = (repo / model / "config.pbtxt").read_text()
         left = [(i, m.group(1)) for i, line in enumerate(text.splitlines(), 1) for m in PLACEHOLDER.finditer(line)]
-        for line, name in left:
-            hint = f"`--param {name}=...`" if name in PARAMETERS else "a value"
-            problems.append(f"{model}/config.pbtxt:{line}: ${{{name}}} was never filled in (give it {hint})")
-        if left:
-            continue
+        upstream_backend = model == "tensorrt_llm" and re.search(rf'^\s*backend:\s*"{upstream.BACKEND}"', text, re.M)
+        if not upstream_backend:  # TensorRT-LLM's backend reads a leftover placeholder as unset
+            for line, name in left:
+                hint = f"`--param {name}=...`" if name in PARAMETERS else "a value"
+                problems.append(f"{model}/config.pbtxt:{line}: ${{{name}}} was never filled in (give it {hint})")
+            if left:
+                continue
         try:
-            configs[model] = _parse_config(text)
+            configs[model] = config = _parse_config(text)
         except ValueError as e:
             problems.append(f"{model}/config.pbtxt: not a valid model configuration: {e}")
             continue
-        config = configs[model]
-        if config.name != model:
-            problems.append(f"{model}/config.pbtxt: name is {config.name!r}, expected {model!r}")
-        try:
-            read({k: {"string_value": v.string_value} for k, v in config.parameters.items()},
-                 MODEL_PARAMETERS.get(model, []))
-        except ParamError as e:
-            problems.append(f"{model}/config.pbtxt: {e}")
+        problems += _check_model(repo, model, config)
     sizes = {m: c.max_batch_size for m, c in configs.items()}
     if len(set(sizes.values())) > 1:
         problems.append(f"max_batch_size differs between models: {sizes} (one triton_max_batch_size for all)")
@@ -200,7 +192,43 @@ def check_repository(repo) -> list[str]:
         if steps != ["preprocessing", "tensorrt_llm", "postprocessing"]:
             problems.append(f"ensemble/config.pbtxt: steps are {steps}, expected preprocessing, tensorrt_llm, "
                             "postprocessing")
+        problems += [f"{m}/config.pbtxt is missing (a step of the ensemble)" for m in steps if m not in present]
     return problems
+
+
+def _check_model(repo: Path, model: str, config) -> list[str]:
+    problems = []
+    if config.name and config.name != model:
+        problems.append(f"{model}/config.pbtxt: name is {config.name!r}, expected {model!r}")
+    if not (repo / model / "1").is_dir():
+        problems.append(f"{model}/1/ is missing (Triton needs the version directory)")
+    if any(g.kind == g.KIND_GPU for g in config.instance_group):
+        problems.append(f"{model}/config.pbtxt: instance_group kind KIND_GPU needs a GPU, and Kiln's engines run on "
+                        f"the CPU: use KIND_CPU (or leave instance_group out)")
+    params = {k: {"string_value": v.string_value} for k, v in config.parameters.items()}
+    try:
+        if model == "tensorrt_llm" and config.backend == upstream.BACKEND:
+            upstream.read_parameters(params, MODEL_PARAMETERS[model])
+            return problems
+        if model in PYTHON_MODELS and not (repo / model / "1" / "model.py").is_file():
+            problems.append(f"{model}/1/model.py is missing")
+        read(params, MODEL_PARAMETERS.get(model, []))
+    except ParamError as e:
+        problems.append(f"{model}/config.pbtxt: {e}")
+    return problems
+
+
+def needs_auto_complete(repo) -> bool:
+    """Whether a model of the repository leaves its inputs or outputs to Triton's auto-complete (as
+    configs written for TensorRT-LLM's own backend may)."""
+    for path in Path(repo).glob("*/config.pbtxt"):
+        try:
+            config = _parse_config(path.read_text())
+        except ValueError:
+            return True
+        if not config.HasField("ensemble_scheduling") and not (config.input and config.output):
+            return True
+    return False
 
 
 def _check_llmapi(repo: Path) -> list[str]:

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import kiln
+from kiln.triton_backend.repository import needs_auto_complete
 
 CACHE = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
 
@@ -65,7 +66,23 @@ def pytriton_server() -> tuple[Path, Path, Path]:
             tmp.rename(backends)
         except OSError:  # another launch got there first
             shutil.rmtree(tmp)
+    add_tensorrtllm_backend(backends)
     return dist / "bin" / "tritonserver", libs, backends
+
+
+def add_tensorrtllm_backend(backends: Path) -> None:
+    """Kiln as the Python-based backend `tensorrtllm` (Triton runs `<backends>/<name>/model.py` for a
+    model whose config names a backend without a shared library): a repository written for
+    TensorRT-LLM's own backend then loads unchanged (kiln/triton_backend/upstream.py)."""
+    from kiln.triton_backend.upstream import BACKEND, backend_model
+
+    path, text = backends / BACKEND / "model.py", backend_model()
+    if path.is_file() and path.read_text() == text:
+        return
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_name(f".model.py.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def command(repo, address: str, http_port: int, grpc_port: int, metrics_port: int, exit_timeout: int,
@@ -74,7 +91,9 @@ def command(repo, address: str, http_port: int, grpc_port: int, metrics_port: in
     args = [f"--model-repository={Path(repo).resolve()}", f"--http-address={address}", f"--http-port={http_port}",
             f"--grpc-address={address}", f"--grpc-port={grpc_port}", f"--metrics-address={address}",
             f"--metrics-port={metrics_port}", f"--exit-timeout-secs={exit_timeout}",
-            "--disable-auto-complete-config"]  # the configs are complete: load each model once, not twice
+            ]
+    if not needs_auto_complete(repo):  # the configs are complete: load each model once, not twice
+        args.append("--disable-auto-complete-config")
     exe = shutil.which("tritonserver")
     if exe is None:
         server, libs, backends = pytriton_server()

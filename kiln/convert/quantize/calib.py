@@ -15,6 +15,17 @@ import torch
 from kiln.config import ConfigError
 
 TEXT_SUFFIXES = {".txt", ".text", ".md", ".rst", ".py", ".jsonl", ".json"}
+# Calibration text when a TensorRT-LLM flag asks for calibration without a dataset: TensorRT-LLM's
+# default (cnn_dailymail) is a download, and every machine running Kiln has Python's standard library
+# (about 1 MB of code and English docstrings from these packages).
+DEFAULT_PACKAGES = ("json", "email", "http", "urllib", "logging")
+
+
+def default_dataset() -> list[Path]:
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [root / p for p in DEFAULT_PACKAGES if (root / p).is_dir()]
 
 
 def _read_file(path: Path, what: str) -> list[str]:

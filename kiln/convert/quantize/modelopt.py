@@ -53,7 +53,9 @@ def _set_block_size(quant_cfg: list, group_size: int) -> None:
 
 
 def modelopt_config(qformat: str | None, kv_cache_dtype: str | None, group_size: int,
-                    awq_algorithm: str = DEFAULT_AWQ_ALGORITHM) -> dict:
+                    awq_algorithm: str = DEFAULT_AWQ_ALGORITHM, smoothquant_alpha: float | None = None) -> dict:
+    """smoothquant_alpha: int8_sq's migration strength (None: ModelOpt's default, 1.0); TensorRT-LLM's
+    convert_checkpoint --smoothquant passes it."""
     import modelopt.torch.quantization as mtq
 
     if qformat is None:  # KV cache only: every weight and activation left alone
@@ -65,6 +67,8 @@ def modelopt_config(qformat: str | None, kv_cache_dtype: str | None, group_size:
             config["algorithm"] = gptq_algorithm(group_size)
         elif qformat == "int4_awq":  # w4a8_awq keeps its preset's awq_lite
             config["algorithm"] = {"method": AWQ_ALGORITHMS[awq_algorithm]}
+        elif qformat == "int8_sq" and smoothquant_alpha is not None:
+            config["algorithm"] = {"method": "smoothquant", "alpha": smoothquant_alpha}
     if kv_cache_dtype is not None:
         config["quant_cfg"] = list(config["quant_cfg"]) + [copy.deepcopy(KV_QUANT_CFG[kv_cache_dtype])]
     return config
@@ -72,7 +76,7 @@ def modelopt_config(qformat: str | None, kv_cache_dtype: str | None, group_size:
 
 def quantize_model(model, qformat: str | None, kv_cache_dtype: str | None, group_size: int,
                    calib: list[torch.Tensor], batch_size: int = 8,
-                   awq_algorithm: str = DEFAULT_AWQ_ALGORITHM) -> None:
+                   awq_algorithm: str = DEFAULT_AWQ_ALGORITHM, smoothquant_alpha: float | None = None) -> None:
     """Quantize `model` in place (fake-quant modules), calibrating on `calib` token windows."""
     import modelopt.torch.quantization as mtq
 
@@ -85,7 +89,7 @@ def quantize_model(model, qformat: str | None, kv_cache_dtype: str | None, group
             m(input_ids=batch)
 
     with quiet(), torch.no_grad():
-        mtq.quantize(model, modelopt_config(qformat, kv_cache_dtype, group_size, awq_algorithm),
+        mtq.quantize(model, modelopt_config(qformat, kv_cache_dtype, group_size, awq_algorithm, smoothquant_alpha),
                      forward_loop)
 
 
@@ -218,7 +222,8 @@ def quantize_and_export(model, architecture: str, qformat: str | None, kv_cache_
                         group_size: int, calib: list[torch.Tensor], num_layers: int, dtype: str,
                         log: Callable[[str], object] = lambda _: None,
                         awq_algorithm: str = DEFAULT_AWQ_ALGORITHM,
-                        base: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                        base: dict[str, torch.Tensor] | None = None,
+                        smoothquant_alpha: float | None = None) -> dict[str, torch.Tensor]:
     """base: the unquantized checkpoint's tensors, in Kiln's layout (a mixture of experts needs them)."""
     from kiln.config import torch_dtype
 
@@ -227,7 +232,10 @@ def quantize_and_export(model, architecture: str, qformat: str | None, kv_cache_
     if qformat == "int4_awq":
         what += f" ({AWQ_ALGORITHMS[awq_algorithm]})"
     log(f"calibrating {what} with ModelOpt on {len(calib)} sample(s), {tokens:,} tokens")
-    quantize_model(model, qformat, kv_cache_dtype, group_size, calib, awq_algorithm=awq_algorithm)
+    if qformat == "int8_sq" and smoothquant_alpha is not None:
+        what += f" (alpha {smoothquant_alpha:g})"
+    quantize_model(model, qformat, kv_cache_dtype, group_size, calib, awq_algorithm=awq_algorithm,
+                   smoothquant_alpha=smoothquant_alpha)
     expected = FORMATS[qformat].modelopt_algo if qformat else None
     with tempfile.TemporaryDirectory(prefix="kiln-modelopt-") as tmp:
         export(model, architecture, dtype, Path(tmp))

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import torch
 
 from kiln.config import ConfigError, Mapping, PretrainedConfig, QuantConfig, torch_dtype
-from kiln.convert.quantize.calib import make_split, read_texts
+from kiln.convert.quantize.calib import default_dataset, make_split, read_texts
 from kiln.convert.quantize.formats import (AWQ_ALGORITHMS, DEFAULT_AWQ_ALGORITHM, FORMATS, check_options,
                                           default_group_size, linear_prefixes, quant_config)
 
@@ -29,6 +29,8 @@ class QuantOptions:
     eval_dataset: Dataset = None
     eval_size: int = 64  # evaluation windows; 0: all of them
     awq_algorithm: str = DEFAULT_AWQ_ALGORITHM  # int4_awq only: lite, clip or full (formats.py)
+    smoothquant_alpha: float | None = None  # int8_sq only: SmoothQuant's alpha (None: ModelOpt's 1.0)
+    default_calibration: bool = False  # no dataset given: calib.default_texts (TensorRT-LLM's is a download)
 
     @property
     def enabled(self) -> bool:
@@ -55,6 +57,8 @@ def prepare(cfg: PretrainedConfig, opts: QuantOptions) -> tuple[PretrainedConfig
     for name in ("calib_size", "calib_max_seq_len"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(opts, name)}")
+    if opts.calibrated and opts.calib_dataset is None and opts.default_calibration:
+        opts = dataclasses.replace(opts, calib_dataset=default_dataset())
     if opts.calibrated and opts.calib_dataset is None:
         what = opts.qformat or f"--kv_cache_dtype {opts.kv_cache_dtype}"
         raise ConfigError(f"{what} needs calibration data: pass --calib_dataset (a text or .jsonl file, "
@@ -105,7 +109,7 @@ def quantize(cfg: PretrainedConfig, opts: QuantOptions, texts: Prepared, weights
         ref_model = copy.deepcopy(quant_model) if split.eval else None
         quantized = quantize_and_export(quant_model, cfg.architecture, opts.qformat, opts.kv_cache_dtype,
                                         group, split.calib, cfg.num_hidden_layers, cfg.dtype, log,
-                                        opts.awq_algorithm, base)
+                                        opts.awq_algorithm, base, opts.smoothquant_alpha)
         method = f"ModelOpt {FORMATS[opts.qformat].modelopt_cfg if opts.qformat else 'KV cache'}"
         if opts.qformat == "int4_awq":
             method += f" ({AWQ_ALGORITHMS[opts.awq_algorithm]})"

@@ -22,10 +22,10 @@ BUILD = dict(max_batch_size=8, max_input_len=128, max_seq_len=192, max_num_token
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _build(ckpt, out, log=None, **overrides):
+def _build(ckpt, out, log=None, verbose=False, **overrides):
     build = BuildConfig(**{**BUILD, **overrides})
     build.plugin_config["gemm_plugin"] = "cpp"
-    build_engine(ckpt, out, build, log=log or (lambda *_: None))
+    build_engine(ckpt, out, build, log=log or (lambda *_: None), verbose=verbose)
     return json.loads((out / "config.json").read_text())["build_config"]
 
 
@@ -58,14 +58,16 @@ def test_build_records_prints_and_caches_tactics(checkpoint, tmp_path):
             assert row["kernel"] in names and row["us"][row["kernel"]] == min(row["us"].values())
     assert set(config["cpu_features"]) <= set(tactics.cpu_features())
     printed = "\n".join(lines)
-    assert "GEMM tactics" in printed and "M <=   256:" in printed and "the engine's kernels need" in printed
+    # by default one line per GEMM, the kernel per token range; the timings behind --log_level verbose
+    assert "GEMM kernels chosen" in printed and "M <=   256:" not in printed and "the engine's kernels need" in printed
+    assert all(f"{key} (" in printed and " for M 1" in printed for key in table)
     load = config["tactic_timing_load"]  # how busy the machine was, and the buckets timed again for noise
     assert load["buckets"] == len(table) * len(buckets) and 0 <= load["retimed"] <= load["buckets"]
     assert "machine load while timing: other processes took" in printed
     assert cache.is_file()
     lines.clear()
-    again = _build(ckpt, tmp_path / "b", log=lines.append, timing_cache=str(cache))
-    assert "(0 measured," in "\n".join(lines)
+    again = _build(ckpt, tmp_path / "b", log=lines.append, timing_cache=str(cache), verbose=True)
+    assert "(0 measured," in "\n".join(lines) and "M <=   256:" in "\n".join(lines)
     assert again["gemm_tactics"] == table
 
 

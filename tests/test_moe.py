@@ -92,7 +92,10 @@ def test_moe_routed_routes_as_hf(dtype, renormalize, T):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     want = torch.ops.kiln_cpp.moe(x, ids, weights.to(dtype), fc, None, proj, None, start, I)
     got = torch.ops.kiln_cpp.moe_routed(x, logits, k, renormalize, fc, None, proj, None, start, I)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    # float32 routing weights: the op's softmax and torch's may round the last bit apart (seen on an AVX2
+    # Zen 3, where their exp kernels differ); the narrower dtypes round both to the same value.
+    exact = dtype != torch.float32
+    torch.testing.assert_close(got, want, atol=0 if exact else 1e-7, rtol=0 if exact else 1e-5)
     # moe_gated: the router GEMM inside the op, the logits kiln_cpp::gemm gives
     router = gemm.pack((torch.randn(experts, H, generator=g) * 0.5).to(dtype))
     logits = torch.ops.kiln_cpp.gemm(x, router, None, None, experts, 0, False, [1 << 62, 0])

@@ -138,10 +138,9 @@ def doc_engines(hf_model, lora_dirs, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("name", list(DOCS))
-def test_documented_lines_build_engines_that_generate(name, doc_engines, lora_dirs):
+def test_documented_lines_build_engines_that_generate(name, doc_engines, fresh):
     engine_dir, output = doc_engines[name]
-    lora = lora_dirs["lora_a"] if name == "lora" else None
-    tokens = generate_fresh(engine_dir, lora=lora and str(lora))
+    tokens = fresh[DOC_KINDS.get(name, (name, "aoti"))]
     assert [len(t) for t in tokens] == [8, 8]
     config = json.loads((engine_dir / "config.json").read_text())
     build, pretrained = config["build_config"], config["pretrained_config"]
@@ -160,7 +159,7 @@ def test_documented_lines_build_engines_that_generate(name, doc_engines, lora_di
         assert pretrained["mapping"]["moe_ep_size"] == 2 and pretrained["mapping"]["world_size"] == 2
     if name == "lora":
         assert build["lora_config"] == {"max_lora_rank": 8, "lora_target_modules": ["attn_q", "attn_k", "attn_v"]}
-        assert generate_fresh(engine_dir) != tokens  # the adapter changes what is generated
+        assert fresh[("dense-fp16", "aoti")] != tokens  # the adapter changes what is generated
 
 
 GUIDE = ("python convert_checkpoint.py --model_dir {model} --output_dir {ckpt} --dtype bfloat16 "
@@ -305,10 +304,11 @@ def kinds(engine, doc_engines, hf_model, tmp_path_factory) -> dict:
     from test_lora import LORA_BUILD
 
     root = tmp_path_factory.mktemp("kinds")
-    out = {("dense", "eager"): engine("llama"), ("dense", "aoti"): doc_engines["bf16"][0],
-           ("moe", "eager"): engine("mixtral"), ("moe", "aoti"): doc_engines["mixtral_ep"][0],
-           ("lora", "eager"): engine("llama", lora_config=LORA_BUILD), ("lora", "aoti"): doc_engines["lora"][0],
-           ("int4", "aoti"): doc_engines["int4_long_context"][0]}
+    out = {("dense", "eager"): engine("llama"), ("moe", "eager"): engine("mixtral"),
+           ("lora", "eager"): engine("llama", lora_config=LORA_BUILD),
+           **{DOC_KINDS.get(name, (name, "aoti")): engine_dir for name, (engine_dir, _) in doc_engines.items()}}
+    # the LoRA line's engine without an adapter: what the adapter changes
+    out[("dense-fp16", "aoti")] = doc_engines["lora"][0]
     int4, window = root / "int4_ckpt", root / "fp8kv_window_ckpt"
     run([str(BIN / "convert_checkpoint"), "--model_dir", str(hf_model("llama")), "--output_dir", str(int4),
          "--use_weight_only", "--weight_only_precision", "int4"])
@@ -318,12 +318,16 @@ def kinds(engine, doc_engines, hf_model, tmp_path_factory) -> dict:
         for backend in backends:
             out[(name, backend)] = root / f"{name}_{backend}"
             run([str(BIN / "engine-build"), "--checkpoint_dir", str(ckpt), "--output_dir", str(out[(name, backend)]),
-                 "--backend", backend, "--max_batch_size", "4", "--max_seq_len", "128", "--max_num_tokens", "128",
-                 "--max_input_len", "64"])
+                 "--backend", backend, "--max_batch_size", "4", "--max_seq_len", "256", "--max_num_tokens", "256",
+                 "--max_input_len", "128"])  # a draft's max_seq_len: at least its targets'
     return out
 
 
 KINDS = [(k, b) for k in ("dense", "moe", "lora", "int4", "fp8kv_window", "draft") for b in ("eager", "aoti")]
+# The documented lines' engines among the kinds; the others are generated from as kinds of their own.
+DOC_KINDS = {"bf16": ("dense", "aoti"), "int4_long_context": ("int4", "aoti"), "mixtral_ep": ("moe", "aoti"),
+             "lora": ("lora", "aoti")}
+EXTRA = [("int8_kv_int8_wo", "aoti"), ("smoothquant", "aoti"), ("dense-fp16", "aoti")]
 
 
 def kind_spec(kind: str, backend: str, kinds: dict, lora_dirs: dict) -> tuple[Path, dict, str | None]:
@@ -339,13 +343,14 @@ def kind_spec(kind: str, backend: str, kinds: dict, lora_dirs: dict) -> tuple[Pa
 
 @pytest.fixture(scope="module")
 def fresh(kinds, lora_dirs) -> dict:
-    """(kind, backend) -> what a new interpreter generates from it, two interpreters at a time."""
+    """(kind, backend) -> what a new interpreter generates from it (the documented lines' other engines
+    too, as (name, "aoti")), two interpreters at a time."""
     def one(key):
         engine_dir, args, lora = kind_spec(*key, kinds, lora_dirs)
         return generate_fresh(engine_dir, args=args, lora=lora)
 
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(KINDS, pool.map(one, KINDS)))
+        return dict(zip(KINDS + EXTRA, pool.map(one, KINDS + EXTRA)))
 
 
 @pytest.mark.parametrize("kind, backend", KINDS, ids=[f"{k}-{b}" for k, b in KINDS])
@@ -362,10 +367,10 @@ def test_every_kind_of_engine_loads_in_a_fresh_interpreter(kind, backend, kinds,
     assert fresh[(kind, backend)] == [list(o.outputs[0].token_ids) for o in want]
 
 
-def test_a_moe_eager_engine_through_every_entry_point(kinds):
+def test_a_moe_eager_engine_through_every_entry_point(kinds, fresh):
     """The engine that once failed to deserialize in a fresh process: AsyncLLM and `kiln run` too."""
     engine_dir = kinds[("moe", "eager")]
-    assert generate_fresh(engine_dir, api="async") == generate_fresh(engine_dir)
+    assert generate_fresh(engine_dir, api="async") == fresh[("moe", "eager")]
     out = run([str(BIN / "kiln"), "run", "--engine_dir", str(engine_dir), "--prompt", "import json",
                "--max_tokens", "4"])
     assert "import json" in out

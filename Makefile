@@ -11,6 +11,10 @@ TESTS5 := tests/test_convert.py tests/test_hf_config.py \
 DEMO := demo_out
 MODEL := models/kiln-tiny-stdlib
 
+# Prometheus for tests/test_vllm_commands.py: Debian's package, unpacked here (no service, no root-owned
+# files outside the checkout).
+PROMETHEUS := .prometheus/usr/bin/prometheus
+
 .PHONY: install test demo clean
 
 install: $(VENV)/.installed
@@ -33,7 +37,12 @@ $(VENV5)/.installed: pyproject.toml requirements/cpu.txt requirements/transforme
 # The first run also asks the 5.x venv to save the published-config models and answer for them
 # (tests/test_hf_parity.py); the second runs the converter and eager parity tests under 5.x itself.
 # KILN_TEST_STRICT: a test whose dependency is missing fails here instead of skipping.
-test: install $(VENV5)/.installed
+$(PROMETHEUS):
+	mkdir -p .prometheus
+	cd .prometheus && (apt-get download prometheus || (apt-get update -qq && apt-get download prometheus)) \
+		&& dpkg-deb -x prometheus_*.deb . && rm prometheus_*.deb
+
+test: install $(VENV5)/.installed $(PROMETHEUS)
 	KILN_TEST_STRICT=1 KILN_TRANSFORMERS5_PYTHON=$(abspath $(PY5)) $(PY) -m pytest -q tests
 	KILN_TEST_STRICT=1 $(PY5) -m pytest -q $(TESTS5)
 
@@ -48,4 +57,4 @@ demo: install
 		--prompt 'def fibonacci(n):' --prompt 'class Stack:'
 
 clean:
-	rm -rf $(DEMO) $(VENV) $(VENV5)
+	rm -rf $(DEMO) $(VENV) $(VENV5) .prometheus

@@ -9,7 +9,7 @@ import yaml
 
 from kiln.serve.app import ServeConfig, build_app
 from kiln.serve.cli import serve
-from kiln.serve.metrics import METRIC_NAMES
+from kiln.serve.metrics import METRIC_NAMES, VLLM_METRIC_NAMES
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 
@@ -131,8 +131,8 @@ def test_autoscaler_queries_the_servers_metrics(manifests, container):
     assert so["scaleTargetRef"]["name"] == manifests["Deployment"]["metadata"]["name"]
     (trigger,) = so["triggers"]
     query = trigger["metadata"]["query"]
-    used = set(re.findall(r"kiln:[a-z_]+", query))
-    assert used == {"kiln:num_requests_waiting"} and used <= set(METRIC_NAMES)
+    used = set(re.findall(r"(?:kiln|vllm):[a-z_]+", query))
+    assert used == {"vllm:num_requests_waiting"} and used <= set(METRIC_NAMES + VLLM_METRIC_NAMES)
     served = options(container["args"])["served_model_name"]
     assert f'model_name="{served}"' in query  # the label the server puts on every series
     assert float(trigger["metadata"]["threshold"]) > 0

@@ -6,7 +6,6 @@ with `length`. The OpenAI server's fields (response_format, vLLM's structured_ou
 through the `openai` client, the SDK's `parse` with a pydantic model included."""
 import json
 import re
-import sys
 from pathlib import Path
 
 import jsonschema

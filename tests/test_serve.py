@@ -22,7 +22,7 @@ import pytest
 
 from conftest import TEST_BUILD
 from kiln import LLM, SamplingParams
-from kiln.serve.metrics import METRIC_NAMES
+from kiln.serve.metrics import METRIC_NAMES, VLLM_METRIC_NAMES
 from kiln.utils import free_ports
 from tiny_models import PROMPTS
 
@@ -299,6 +299,11 @@ def test_128_concurrent_streams(server, llm):
     assert sum(u.prompt_tokens_details.cached_tokens for _, u in results) == delta("kiln:prefix_cache_hits_total")
     exported = {re.sub(r"_(bucket|count|sum)$", "", name.split("{")[0]) for name in after}
     assert set(METRIC_NAMES) <= exported  # the names deploy/ and dashboards rely on
+    # and each under vLLM's name (with its older ones), the same values: --metrics-names both
+    raw = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in
+           httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines() if line[:5] in ("kiln:", "vllm:")}
+    assert set(VLLM_METRIC_NAMES) <= {re.sub(r"_(bucket|count|sum)$", "", n.split("{")[0]) for n in raw}
+    assert all(raw["vllm:" + n[5:]] == v for n, v in raw.items() if n.startswith("kiln:"))
 
 
 def send_raw(server, path: str, body: dict) -> socket.socket:

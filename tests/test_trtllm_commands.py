@@ -20,13 +20,13 @@ BIN = Path(sys.executable).parent
 # (where the lines come from, convert_checkpoint.py line, trtllm-build line). {model}: the tiny HF model;
 # {ckpt}, {engine}: the dirs the lines name; {lora_a}, {lora_b}: PEFT adapters. Build lines are paired
 # with a convert line of another section where that covers more in one engine.
-LLAMA_README = "examples/models/core/llama/README.md (TensorRT-LLM 0.18+)"
+LLAMA_README = "TensorRT-LLM/examples/models/core/llama/README.md (0.18+)"
 DOCS = {
     "bf16": (LLAMA_README + ", single GPU BF16",
              "python convert_checkpoint.py --model_dir {model} --output_dir {ckpt} --dtype bfloat16",
              "trtllm-build --checkpoint_dir {ckpt} --output_dir {engine} --gemm_plugin auto"),
     "int4_long_context": (
-        "examples/models/contrib/hyperclovax/README.md (INT4 weight-only); llama README, long context",
+        "TensorRT-LLM/examples/models/contrib/hyperclovax/README.md (INT4 weight-only); the llama README, long context",
         "python ../../core/llama/convert_checkpoint.py --model_dir {model} --output_dir {ckpt} "
         "--use_weight_only --weight_only_precision int4 --dtype float16",
         "python -m tensorrt_llm.commands.build --checkpoint_dir {ckpt} --output_dir {engine} --gemm_plugin float16 "
@@ -42,7 +42,7 @@ DOCS = {
         "python3 convert_checkpoint.py --model_dir {model}  --output_dir {ckpt} --dtype float16 --smoothquant 0.5",
         "trtllm-build --checkpoint_dir {ckpt} --output_dir {engine} --gemm_plugin auto"),
     "mixtral_ep": (
-        "examples/models/core/mixtral/README.md, expert parallelism",
+        "TensorRT-LLM/examples/models/core/mixtral/README.md, expert parallelism",
         "python ../llama/convert_checkpoint.py --model_dir {model} --output_dir {ckpt} --dtype float16 "
         "--tp_size 2 --moe_ep_size 2",
         "trtllm-build --checkpoint_dir {ckpt} --output_dir {engine} --gemm_plugin float16"),

@@ -1,7 +1,6 @@
 """Tiny random-weight HF models from the real transformers config classes, with a real tokenizer."""
 import functools
 import glob
-import os
 import sysconfig
 from pathlib import Path
 

@@ -1,7 +1,6 @@
 """The build's settings resolved against the checkpoint, before anything is built: the plugins
 (TensorRT-LLM's values taken with its meaning), max_seq_len as trtllm-build deduces it, the LoRA
 modules of --lora_dir's adapters, the KV cache dtype, autotuning and the lm_head's quantization."""
-from pathlib import Path
 
 from kiln.config import ELEMENTWISE_PLUGINS, BuildConfig, ConfigError, PretrainedConfig
 from kiln.engine.format import kv_cache_dtype

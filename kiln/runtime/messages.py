@@ -170,6 +170,7 @@ class EngineInfo:
     enable_chunked_prefill: bool
     threads: int
     enable_prefix_caching: bool
+    max_model_len: int  # prompt + output tokens of a request (at most the engine's max_seq_len)
 
     def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int, together: bool = False) -> int:
         """The KV blocks a request must be able to hold at once to ever finish (together: its n

@@ -48,6 +48,7 @@ class ServeConfig:
     enable_auto_tool_choice: bool = False
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT dir
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    metrics_names: str = "both"  # /metrics under vLLM's names, Kiln's or both (kiln.serve.metrics)
 
     def __post_init__(self):
         self.served_model_names = list(self.served_model_names) or [str(self.engine_dir)]
@@ -62,7 +63,7 @@ class ServerState:
         self.draining = False
         self.in_flight = 0
         self.on_fatal = lambda: None  # set by the launcher: stop the server (the engine failed to load)
-        self.metrics = ServerMetrics(config.served_model_names[0], self._stats)
+        self.metrics = ServerMetrics(config.served_model_names[0], self._stats, config.metrics_names)
 
     def _stats(self) -> dict | None:
         return self.serving.llm.stats() if self.serving is not None else None

@@ -1,7 +1,5 @@
 """/v1/chat/completions: the messages (and tools) through the tokenizer's chat template, then one engine
 request with `n` samples; tool calls parsed out of the output in the model's format (kiln/serve/tools.py)."""
-import json
-
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -9,13 +7,14 @@ from kiln.serve.protocol import (APIError, AssistantMessage, ChatChoice, ChatCom
                                  ChatCompletionResponse, error_body, now, random_id)
 from kiln.runtime.sampling_params import GuidedDecodingParams
 from kiln.serve.serving import ChoiceStream, Serving, sse, stop_holdback, until_disconnected, usage
-from kiln.serve.tools import ToolParser, ToolStream, forced_calls_grammar, tool_schemas
+from kiln.serve.tools import JsonCalls, ToolParser, ToolStream, forced_calls_grammar, tool_schemas
 
 
 def tool_plan(serving: Serving, req: ChatCompletionRequest) -> tuple[ToolParser | None, GuidedDecodingParams | None]:
     """(the parser of the model's tool calls, None when no calls are expected; the grammar of a
     required or named tool_choice). vLLM's rules: `auto` (the default with tools) needs
-    --enable-auto-tool-choice and --tool-call-parser; `required` and a named function need the parser."""
+    --enable-auto-tool-choice and --tool-call-parser; `required` and a named function need no parser:
+    without one their calls are a JSON array under a grammar from the tools (tools.JsonCalls)."""
     if not req.tools:
         if req.tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", "tool_choice")
@@ -32,8 +31,7 @@ def tool_plan(serving: Serving, req: ChatCompletionRequest) -> tuple[ToolParser 
         raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
                        "--tool-call-parser", "tool_choice")
     if parser is None:
-        raise APIError(400, f"tool_choice {json.dumps(choice)} needs the server started with --tool-call-parser "
-                       "(the format the model writes calls in)", "tool_choice")
+        parser = JsonCalls()
     if choice == "auto":
         return parser, None
     name = None

@@ -1,5 +1,8 @@
-"""Prometheus metrics named like vLLM's (`vllm:` -> `kiln:`), so that dashboards and autoscalers
-written for vLLM read a Kiln server unchanged.
+"""Prometheus metrics under vLLM's names (`vllm:`), Kiln's (`kiln:`, the same series), or both (the
+default: dashboards, autoscalers and routers written for vLLM read a Kiln server unchanged, and those
+written for Kiln keep working); `kiln serve --metrics-names` chooses. With vLLM's names come the older
+ones its dashboards still query: `vllm:gpu_cache_usage_perc` (now `kv_cache_usage_perc`) and the
+average prompt and generation throughputs in tokens/s, over the last 5 s or more.
 
 Gauges and the preemption counter are read from the engine when Prometheus scrapes (one snapshot,
 between two engine steps); token counters, request outcomes and latency histograms are updated by
@@ -8,16 +11,22 @@ whatever its `n`); an aborted request (client gone, shutdown) counts as `finishe
 """
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
                                ProcessCollector)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kiln.runtime.outputs import RequestOutput
 
 PREFIX = "kiln:"
+VLLM_PREFIX = "vllm:"
+METRIC_NAME_SETS = ("both", "vllm", "kiln")
+# vLLM's older names for series it has renamed, and the throughputs its V0 engine logged.
+VLLM_LEGACY = ("gpu_cache_usage_perc", "avg_prompt_throughput_toks_per_s", "avg_generation_throughput_toks_per_s")
+THROUGHPUT_WINDOW = 5.0  # seconds: the averages span at least this much (vLLM's logging interval)
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -33,6 +42,8 @@ METRIC_NAMES = [f"{PREFIX}{n}" for n in (
     "prefix_cache_hits_total", "prompt_tokens_total", "generation_tokens_total", "request_success_total",
     "time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
     "request_queue_time_seconds")]
+# The same under vLLM's names, and its older ones.
+VLLM_METRIC_NAMES = [VLLM_PREFIX + n[len(PREFIX):] for n in METRIC_NAMES] + [VLLM_PREFIX + n for n in VLLM_LEGACY]
 
 
 class EngineCollector(Collector):
@@ -92,12 +103,47 @@ class EngineCollector(Collector):
             yield c
 
 
+class Renamed(Collector):
+    """`source`'s kiln: families under vLLM's prefix, and vLLM's older names (VLLM_LEGACY)."""
+
+    def __init__(self, source: CollectorRegistry, legacy: Callable[[], list]):
+        self.source, self.legacy = source, legacy
+
+    def collect(self):
+        for family in self.source.collect():
+            if family.name.startswith(PREFIX):
+                renamed = Metric(VLLM_PREFIX + family.name[len(PREFIX):], family.documentation, family.type,
+                                 family.unit)
+                renamed.samples = [s._replace(name=VLLM_PREFIX + s.name[len(PREFIX):]) for s in family.samples]
+                yield renamed
+        yield from self.legacy()
+
+
+class Forward(Collector):
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+
+    def collect(self):
+        yield from self.source.collect()
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], dict | None]):
-        self.model_name = model_name
-        self.registry = r = CollectorRegistry(auto_describe=True)
+    """`registry` is what /metrics exposes: `names` is "both", "vllm" or "kiln" (METRIC_NAME_SETS)."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict | None], names: str = "both"):
+        if names not in METRIC_NAME_SETS:
+            raise ValueError(f"metrics names {names!r}: expected one of {', '.join(METRIC_NAME_SETS)}")
+        self.model_name, self.stats = model_name, stats
+        self.totals = {"prompt": 0, "generation": 0}
+        self._samples: list[tuple[float, int, int]] = []  # (time, prompt, generation) at past scrapes
+        self.registry = CollectorRegistry(auto_describe=True)
         for c in (ProcessCollector, PlatformCollector, GCCollector):
-            c(registry=r)
+            c(registry=self.registry)
+        self.own = r = CollectorRegistry(auto_describe=True)  # the kiln: families
+        if names in ("both", "kiln"):
+            self.registry.register(Forward(r))
+        if names in ("both", "vllm"):
+            self.registry.register(Renamed(r, self._legacy))
         r.register(EngineCollector(model_name, stats))
         labels = ["model_name"]
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", labels,
@@ -133,8 +179,10 @@ class ServerMetrics:
                     if total > generated:
                         if not prompt_counted:  # prefill is done once a token exists
                             self.prompt_tokens.inc(len(out.prompt_token_ids))
+                            self.totals["prompt"] += len(out.prompt_token_ids)
                             prompt_counted = True
                         self.generation_tokens.inc(total - generated)
+                        self.totals["generation"] += total - generated
                         generated = total
                     if out.finished:
                         finished = True
@@ -144,6 +192,31 @@ class ServerMetrics:
             if not finished:
                 self.request_success.labels(self.model_name, "abort").inc()
             raise
+
+    def _legacy(self) -> list:
+        """vLLM's older names: the KV cache usage gauge, and the token throughputs averaged since the
+        newest past scrape at least THROUGHPUT_WINDOW ago (the oldest one kept, at first)."""
+        now = time.monotonic()
+        prompt, generation = self.totals["prompt"], self.totals["generation"]
+        self._samples = [x for x in self._samples if now - x[0] < 60] + [(now, prompt, generation)]
+        then = next((x for x in reversed(self._samples) if now - x[0] >= THROUGHPUT_WINDOW), self._samples[0])
+        span = now - then[0]
+        out = []
+        for name, doc, value in (
+                ("avg_prompt_throughput_toks_per_s", "Prompt tokens prefilled per second (vLLM's older name).",
+                 (prompt - then[1]) / span if span > 0 else 0.0),
+                ("avg_generation_throughput_toks_per_s", "Tokens generated per second (vLLM's older name).",
+                 (generation - then[2]) / span if span > 0 else 0.0)):
+            g = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            out.append(g)
+        s = self.stats()
+        if s is not None:
+            g = GaugeMetricFamily(VLLM_PREFIX + "gpu_cache_usage_perc", "KV cache usage, 1 = full (vLLM's older "
+                                  "name for kv_cache_usage_perc).", labels=["model_name"])
+            g.add_metric([self.model_name], s["kv_cache_usage"])
+            out.append(g)
+        return out
 
     def _finished(self, out: RequestOutput) -> None:
         reason = out.outputs[0].finish_reason if out.outputs else "abort"

@@ -37,7 +37,7 @@ class Serving:
         self.chat_template = chat_template
         self.tool_parser = None if tool_call_parser is None else PARSERS[tool_call_parser]()
         self.enable_auto_tool_choice = enable_auto_tool_choice
-        self.max_model_len = llm.build_config.max_seq_len
+        self.max_model_len = llm.input_processor.info.max_model_len
         self.vocab_size = llm.model_config.vocab_size
         model = llm.model_config
         total, active = model.parameter_counts()

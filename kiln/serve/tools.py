@@ -6,7 +6,10 @@ output (whole, or delta by delta while it streams), and the grammar that makes a
   as many as the model writes, after any text;
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3): the output is `{"name": ..., "parameters": {...}}` (optionally
   after `<|python_tag|>`), several separated by `;`;
-- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any text.
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any text;
+- without a parser, a `required` or named `tool_choice` is generated, as vLLM does it, as a JSON array
+  `[{"name": ..., "parameters": {...}}, ...]` under a grammar from the request's tools (`JsonCalls`): no
+  model-specific format is involved, and clients see only OpenAI's `tool_calls`.
 
 A call's arguments stream as their raw JSON text grows: the first delta of a call carries its id and
 name, the next ones the arguments' new characters, which concatenate to the complete JSON.
@@ -230,6 +233,21 @@ class Mistral(ToolParser):
     array = True
 
 
+class JsonCalls(ToolParser):
+    """The calls of a forced tool_choice on a server without --tool-call-parser: the whole output is one
+    JSON array of {"name", "parameters"} objects (vLLM's form for them)."""
+    separators = ","
+    array = True
+    args_keys = ("parameters", "arguments")
+
+    def calls_start(self, text):
+        stripped = text.lstrip()
+        return len(text) - len(stripped) if stripped.startswith("[") else None
+
+    def content_before(self, text, start):
+        return ""
+
+
 PARSERS = {"hermes": Hermes, "llama3_json": Llama3Json, "mistral": Mistral}
 
 
@@ -256,7 +274,7 @@ def forced_calls_grammar(parser: ToolParser, schemas: dict[str, dict], name: str
     import xgrammar as xgr
 
     names = [name] if name is not None else list(schemas)
-    key = "parameters" if isinstance(parser, Llama3Json) else "arguments"
+    key = parser.args_keys[0]
     call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, key: schemas[n]},
                        "required": ["name", key], "additionalProperties": False} for n in names]}
     grammar = xgr.Grammar.from_json_schema(json.dumps(call), any_whitespace=False)

@@ -96,7 +96,8 @@ class EngineCore:
                  max_num_tokens: int | None = None, kv_cache_free_mem_fraction: float | None = None,
                  max_tokens_in_paged_kv_cache: int | None = None, threads: int | None = None,
                  enable_prefix_caching: bool = True, prefix_cache_seed: int | None = None,
-                 speculative_config: dict | None = None, max_loras: int = 4, max_cpu_loras: int | None = None):
+                 speculative_config: dict | None = None, max_loras: int = 4, max_cpu_loras: int | None = None,
+                 max_model_len: int | None = None):
         threads = configure_threads(threads)
         self.executor = make_executor(engine_dir, kv_cache_free_mem_fraction, max_tokens_in_paged_kv_cache, threads,
                                       max_loras)
@@ -121,9 +122,11 @@ class EngineCore:
         # while speculating: drafts need the previous step's tokens).
         self.batch_queue = BatchQueue(1 if self.spec else self.executor.max_concurrent_batches)
         self.requests: dict[str, Request] = {}
+        # vLLM's max_model_len: requests are held to it by the frontend; the engine's max_seq_len bounds it
         self.info = EngineInfo(build, self.executor.config.pretrained_config, self.scheduler.max_batch_size,
                                self.scheduler.max_num_tokens, self.executor.num_blocks, build.tokens_per_block,
-                               scheduler_policy, enable_chunked_prefill, threads, enable_prefix_caching)
+                               scheduler_policy, enable_chunked_prefill, threads, enable_prefix_caching,
+                               _bounded("max_model_len", max_model_len, build.max_seq_len))
         _freeze_heap()
 
     # -- requests ------------------------------------------------------------------------------

@@ -27,11 +27,15 @@ class InputProcessor:
         if len(token_ids) > build.max_input_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than the engine's max_input_len "
                              f"({build.max_input_len})")
-        room = build.max_seq_len - len(token_ids)
+        limit = ("engine's max_seq_len" if info.max_model_len == build.max_seq_len else "max_model_len")
+        if info.max_model_len < build.max_seq_len and len(token_ids) >= info.max_model_len:
+            raise ValueError(f"The decoder prompt (length {len(token_ids)}) is longer than the maximum model length "
+                             f"of {info.max_model_len} (max_model_len)")
+        room = info.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
             raise ValueError(f"max_tokens ({max_tokens}) + prompt ({len(token_ids)} tokens) exceeds the "
-                             f"engine's max_seq_len ({build.max_seq_len})")
+                             f"{limit} ({info.max_model_len})")
         if params.n > info.max_batch_size:
             raise ValueError(f"n ({params.n}) exceeds max_batch_size ({info.max_batch_size})")
         width = params.beam_width

@@ -1,0 +1,224 @@
+"""vLLM's engine options by their names and meaning (its `EngineArgs`: what `vllm serve` and
+`LLM(...)` take), for `kiln serve`, `LLM` and `AsyncLLM`. `resolve` turns them into an engine dir (an
+engine as given, or a Hugging Face dir built on first use with these bounds: kiln/auto_engine.py) and
+the engine core's keyword arguments; an engine that cannot honour a value is refused as vLLM refuses
+it, naming the option."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.config import ConfigError, EngineConfig
+
+# --quantization -> the quant_algo an engine (or checkpoint) of it has
+QUANTIZATIONS = {"fp8": "FP8", "awq": "W4A16_AWQ", "gptq": "W4A16_GPTQ", "smoothquant": "W8A8_SQ_PER_CHANNEL"}
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+LOAD_FORMATS = ("auto", "safetensors")
+
+
+@dataclass
+class EngineArgs:
+    """vLLM's names. Each field's comment says what it is on a Kiln engine."""
+    model: str
+    tensor_parallel_size: int | None = None  # the engine's tp_size (checked), or the one to build with
+    pipeline_parallel_size: int | None = None  # likewise pp_size
+    max_model_len: int | None = None  # prompt + output tokens per request: at most the engine's max_seq_len
+    max_num_seqs: int | None = None  # requests in a step: the core's max_batch_size
+    max_num_batched_tokens: int | None = None  # tokens in a step: the core's max_num_tokens
+    gpu_memory_utilization: float | None = None  # the share of free memory the KV cache may take
+    dtype: str = "auto"  # the weights' dtype: the checkpoint's with auto (float32 as float16, as vLLM)
+    quantization: str | None = None  # checked against the engine's or checkpoint's quantization
+    load_format: str = "auto"  # safetensors only
+    enforce_eager: bool = False  # build with the eager backend (no compiled graph)
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    speculative_config: dict | None = None
+    speculative_model: str | None = None  # "[ngram]", or a draft model (engine or HF dir)
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+    enable_lora: bool = False  # needs an engine built with LoRA (engine-build --lora_plugin auto)
+    max_lora_rank: int | None = None  # at most the engine's
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
+    trust_remote_code: bool = False  # no remote code runs in Kiln
+    seed: int | None = None  # the default seed of requests without one
+    disable_log_stats: bool = False
+    disable_log_requests: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "notes"]
+
+
+def resolve(args: EngineArgs, log=print) -> tuple[Path, dict]:
+    """(engine dir, the engine core's keyword arguments)."""
+    from kiln.auto_engine import BuildRequest, engine_for, is_engine_dir
+
+    _check_values(args)
+    if args.speculative_model is not None and args.speculative_config is not None:
+        raise ConfigError("speculative_model and speculative_config both given: use one")
+    if is_engine_dir(args.model):
+        engine_dir = Path(args.model)
+        _check_engine(args, EngineConfig.load(engine_dir))
+    else:
+        # Built for vLLM's defaults or what the options ask beyond them, so that the options only a
+        # running engine needs (a smaller max_model_len, max_num_seqs, ...) share one engine.
+        positions = _check_positions(args)
+        request = BuildRequest(dtype=_dtype(args), tp_size=args.tensor_parallel_size or 1,
+                               pp_size=args.pipeline_parallel_size or 1, qformat=_qformat(args),
+                               max_batch_size=max(args.max_num_seqs or 0, 256),
+                               max_seq_len=args.max_model_len if (args.max_model_len or 0) > positions else None,
+                               max_num_tokens=max(args.max_num_batched_tokens or 0, 2048),
+                               backend="eager" if args.enforce_eager else "aoti",
+                               lora_config={"max_lora_rank": max(args.max_lora_rank or 0, 16),
+                                            "lora_target_modules": LORA_MODULES} if args.enable_lora else None)
+        engine_dir = engine_for(args.model, request, log)
+    core = {"max_batch_size": args.max_num_seqs, "max_num_tokens": args.max_num_batched_tokens,
+            **_kv_cache(args, EngineConfig.load(engine_dir)), "max_model_len": args.max_model_len,
+            "enable_prefix_caching": args.enable_prefix_caching, "enable_chunked_prefill": args.enable_chunked_prefill,
+            "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
+            "speculative_config": _speculative(args, engine_dir, log)}
+    return engine_dir, {k: v for k, v in core.items() if v is not None}
+
+
+LORA_MODULES = ["attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_4h_to_h", "mlp_gate"]
+
+
+def _check_values(args: EngineArgs) -> None:
+    if args.dtype not in DTYPES:
+        raise ConfigError(f"dtype {args.dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
+    if args.quantization is not None and args.quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {args.quantization!r} is not supported by Kiln; expected one of "
+                          f"{', '.join(QUANTIZATIONS)}")
+    if args.load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load_format {args.load_format!r} is not supported: Kiln reads safetensors only (never "
+                          f"pickles); expected one of {', '.join(LOAD_FORMATS)}")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.trust_remote_code:
+        args.notes.append("trust_remote_code: no remote code runs in Kiln; its model families are its own")
+
+
+def _dtype(args: EngineArgs) -> str | None:
+    """vLLM's dtype names; auto: the checkpoint's, float32 as float16 (vLLM's rule)."""
+    if args.dtype != "auto":
+        return {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    own = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return "float16" if own == "float32" else None
+
+
+def _qformat(args: EngineArgs) -> str | None:
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    quantized = config.get("quantization_config")
+    if quantized is not None:
+        raise ConfigError(f"model {args.model} is a pre-quantized checkpoint ({quantized.get('quant_method')}), which "
+                          f"Kiln does not read yet; convert the unquantized model with --quantization fp8, or "
+                          f"convert_checkpoint --qformat")
+    if args.quantization in ("awq", "gptq", "smoothquant"):
+        raise ConfigError(f"quantization {args.quantization}: model {args.model} is not {args.quantization}-"
+                          f"quantized (its config.json has no quantization_config); vLLM refuses this too. Convert "
+                          f"it with convert_checkpoint --qformat int4_awq|int4_gptq|int8_sq and serve the engine")
+    return "fp8" if args.quantization == "fp8" else None  # vLLM quantizes an unquantized model to FP8 itself
+
+
+def _check_positions(args: EngineArgs) -> int:
+    """The positions the model's config derives (times its rope factor), which vLLM refuses a larger
+    max_model_len beyond, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (its switch, then a warning)."""
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    positions = config.get("max_position_embeddings") or 2048
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    derived = int(positions * (scaling.get("factor", 1) if kind not in (None, "default", "llama3", "longrope") else 1))
+    if args.max_model_len is not None and args.max_model_len > derived:
+        message = (f"User-specified max_model_len ({args.max_model_len}) is greater than the derived max_model_len "
+                   f"(max_position_embeddings={positions} in model's config.json)")
+        if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
+            raise ConfigError(f"{message}. To allow overriding this maximum, set the env var "
+                              f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (as vLLM's); positions past it were never trained")
+        args.notes.append(f"warning: {message}; allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+    return derived
+
+
+def _check_engine(args: EngineArgs, engine: EngineConfig) -> None:
+    p, b = engine.pretrained_config, engine.build_config
+    for name, wanted, built in (("tensor_parallel_size", args.tensor_parallel_size, p.mapping.tp_size),
+                                ("pipeline_parallel_size", args.pipeline_parallel_size, p.mapping.pp_size)):
+        if wanted is not None and wanted != built:
+            raise ConfigError(f"{name} {wanted}: the engine {args.model} was built for {built} "
+                              f"(convert_checkpoint --tp_size / --pp_size); serve it as built, or rebuild it")
+    if args.max_model_len is not None and args.max_model_len > b.max_seq_len:
+        raise ConfigError(f"max_model_len ({args.max_model_len}) is greater than the engine's max_seq_len "
+                          f"({b.max_seq_len}); rebuild it with engine-build --max_seq_len {args.max_model_len}")
+    dtype = _dtype_name(args.dtype)
+    if dtype is not None and dtype != p.dtype:
+        raise ConfigError(f"dtype {args.dtype}: the engine {args.model} holds {p.dtype} weights; pass --dtype auto or "
+                          f"rebuild it")
+    algo = p.quantization.quant_algo
+    if args.quantization is not None and QUANTIZATIONS[args.quantization] != algo:
+        raise ConfigError(f"quantization {args.quantization}: the engine {args.model} is {algo or 'unquantized'}")
+    if args.enforce_eager and b.backend != "eager":
+        args.notes.append(f"enforce_eager: the engine {args.model} is {b.backend}-compiled; it runs as built (build "
+                          f"with engine-build --backend eager for an uncompiled one)")
+    lora = b.lora_config
+    if args.enable_lora and lora is None:
+        raise ConfigError(f"enable_lora: the engine {args.model} was built without LoRA; rebuild it with "
+                          f"engine-build --lora_plugin auto --lora_target_modules ...")
+    if args.max_lora_rank is not None and lora is not None and args.max_lora_rank > lora["max_lora_rank"]:
+        raise ConfigError(f"max_lora_rank {args.max_lora_rank} exceeds the engine's ({lora['max_lora_rank']}); "
+                          f"rebuild it with engine-build --max_lora_rank {args.max_lora_rank}")
+
+
+def _kv_cache(args: EngineArgs, engine: EngineConfig) -> dict:
+    """gpu_memory_utilization as the share of free memory the KV cache may take: a pool for every
+    request at full length where that fits in it (as Kiln sizes its pool by default), else that share.
+    vLLM's GPU pool takes its whole share; on a CPU the memory is the rest of the machine's."""
+    if args.gpu_memory_utilization is None:
+        return {}
+    import psutil
+
+    from kiln.engine.format import kv_cache_dtype
+
+    p, b = engine.pretrained_config, engine.build_config
+    per_token = (len(p.layers_of(0)) * 2 * p.kv_heads_per_rank * p.head_size * kv_cache_dtype(p, b).itemsize
+                 * p.mapping.world_size)
+    blocks = (args.max_num_seqs or b.max_batch_size) * -(-(args.max_model_len or b.max_seq_len) // b.tokens_per_block)
+    enough = (blocks + 1) * b.tokens_per_block
+    if enough * per_token <= args.gpu_memory_utilization * psutil.virtual_memory().available:
+        return {"max_tokens_in_paged_kv_cache": enough}
+    return {"kv_cache_free_mem_fraction": args.gpu_memory_utilization}
+
+
+def _dtype_name(dtype: str) -> str | None:
+    return None if dtype == "auto" else {"half": "float16", "float": "float32"}.get(dtype, dtype)
+
+
+def _speculative(args: EngineArgs, engine_dir: Path, log) -> dict | None:
+    """vLLM's older options as its speculative_config: "[ngram]" is prompt lookup, a path a draft model."""
+    if args.speculative_model is None:
+        if args.speculative_config is not None and args.num_speculative_tokens is not None:
+            raise ConfigError("num_speculative_tokens goes inside speculative_config")
+        return args.speculative_config
+    k = args.num_speculative_tokens
+    if k is None:
+        raise ConfigError("speculative_model needs num_speculative_tokens")
+    if args.speculative_model == "[ngram]":
+        config = {"method": "ngram", "num_speculative_tokens": k}
+        if args.ngram_prompt_lookup_max is not None:
+            config["prompt_lookup_max"] = args.ngram_prompt_lookup_max
+        if args.ngram_prompt_lookup_min is not None:
+            config["prompt_lookup_min"] = args.ngram_prompt_lookup_min
+        return config
+    from kiln.auto_engine import BuildRequest, engine_for
+
+    target = EngineConfig.load(engine_dir).build_config
+    draft = engine_for(args.speculative_model, BuildRequest(dtype=None, max_batch_size=target.max_batch_size,
+                                                            max_seq_len=target.max_seq_len,
+                                                            max_num_tokens=target.max_num_tokens,
+                                                            backend=target.backend), log)
+    return {"method": "draft_model", "draft_engine_dir": str(draft), "num_speculative_tokens": k}

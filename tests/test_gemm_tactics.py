@@ -112,6 +112,22 @@ def test_engines_move_between_instruction_sets(checkpoint, tmp_path):
     assert_same_greedy(back, tokens, lps)
 
 
+def _forced_agreement(engine_dir, continuations) -> float:
+    """The share of PROMPTS' continuation steps at which the engine's own top token is the given one."""
+    llm = LLM(engine_dir)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p + c} for p, c in zip(prompts, continuations)],
+                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    hits = total = 0
+    for p, c, out in zip(prompts, continuations, outs):
+        for step, token in enumerate(c):
+            ranked = out.prompt_logprobs[len(p) + step]
+            hits += max(ranked, key=ranked.get) == token
+            total += 1
+    return hits / total
+
+
 def test_int8_activations_and_quantized_lm_head(hf_model, tmp_path):
     """An int4 (RTN) engine with int8 activations allowed (the default) and, by default, an int8 lm_head
     whose packed table the tied embedding shares: recorded in the config, a smaller engine, and the
@@ -139,10 +155,11 @@ def test_int8_activations_and_quantized_lm_head(hf_model, tmp_path):
     assert not any(set(row["us"]) & int8_kernels for e in plain["gemm_tactics"].values() for row in e["buckets"])
     tokens, lps, _ = _generate(tmp_path / "plain")
     for name in ("fast", "int4_head"):
-        got, _, _ = _generate(tmp_path / name)
-        # lm_head rounding moves logits more than int8 activations do: compare loosely, per step
-        agree = sum(g == w for gs, ws in zip(got, tokens) for g, w in zip(gs, ws)) / sum(len(w) for w in tokens)
-        assert agree >= 0.5, (name, got, tokens)
+        # lm_head rounding moves logits more than int8 activations do: compare loosely, each step fed the
+        # plain engine's tokens (free-running, one early flip on the random model's near ties would
+        # decide every later step)
+        agree = _forced_agreement(tmp_path / name, tokens)
+        assert agree >= 0.5, (name, agree)
     size = lambda d: sum(f.stat().st_size for f in d.iterdir())  # noqa: E731
     vocab, hidden = 384, 64  # tiny_models' llama: the bf16 table is vocab * hidden * 2 bytes, held once
     assert size(tmp_path / "fast") < size(tmp_path / "plain") - vocab * hidden // 2  # bf16 -> int8, scales aside

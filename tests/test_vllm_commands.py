@@ -86,9 +86,9 @@ class Serve:
             time.sleep(0.2)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
 
-    def complete(self, model: str, prompt="def fibonacci(n):", max_tokens: int = 8) -> str:
-        return self.client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                              temperature=0).choices[0].text
+    def complete(self, model: str, prompt="def fibonacci(n):", max_tokens: int = 8, **extra) -> str:
+        return self.client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                              extra_body=extra or None).choices[0].text
 
     def stop(self) -> str:
         self.proc.terminate()
@@ -277,7 +277,8 @@ def test_the_guides_prometheus_queries_return_series(env, tmp_path):
 
         def load():  # more requests than batch slots: some wait
             with ThreadPoolExecutor(8) as pool:
-                list(pool.map(lambda i: server.complete(MODEL_NAME, f"import os{i}", 256), range(24)))
+                list(pool.map(lambda i: server.complete(MODEL_NAME, f"import os{i}", 768, ignore_eos=True),
+                              range(24)))
 
         with ThreadPoolExecutor(1) as background:
             running = background.submit(load)

@@ -48,6 +48,22 @@ def child_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1])] + paths))
 
 
+def expand_lists(args: list[str], lists: tuple[str, ...]) -> list[str]:
+    """Command-line `args` with the values after a list option (argparse's nargs='+', as vLLM's and
+    TensorRT-LLM's CLIs take them) as if the option were repeated before each; `--x=a b` too."""
+    out, listing = [], None
+    for arg in args:
+        if arg.startswith("-"):
+            listing = next((o for o in lists if arg == o or arg.startswith(o + "=")), None)
+            if listing and arg != listing:
+                out.extend([listing, arg.split("=", 1)[1]])
+                continue
+        elif listing and out[-1] != listing:
+            out.append(listing)
+        out.append(arg)
+    return out
+
+
 def progress(**kwargs):
     return tqdm(file=sys.stderr, disable=kwargs.pop("disable", None), **kwargs)
 

@@ -7,6 +7,7 @@ import click
 from kiln.build import trtllm_flags
 from kiln.build.trtllm_flags import KILN_PLUGIN_VALUES, LOG_LEVELS, PLUGIN_DTYPES
 from kiln.config import BACKENDS, ELEMENTWISE_PLUGINS, BuildConfig, ConfigError
+from kiln.utils import expand_lists
 
 BUILD_OPTIONS = [
     click.option("--max_batch_size", type=int, default=8, show_default=True,
@@ -105,21 +106,10 @@ LIST_OPTIONS = ("--lora_target_modules", "--lora_dir")
 
 
 class _Command(click.Command):
-    """`--lora_target_modules attn_q attn_k ...`: the values after a list option are read as if the
-    option were repeated before each."""
+    """`--lora_target_modules attn_q attn_k ...`: TensorRT-LLM's list options take several values."""
 
     def parse_args(self, ctx, args):
-        out, listing = [], None
-        for arg in args:
-            if arg.startswith("-"):
-                listing = next((o for o in LIST_OPTIONS if arg == o or arg.startswith(o + "=")), None)
-                if listing and arg != listing:  # --lora_dir=a b
-                    out.extend([listing, arg.split("=", 1)[1]])
-                    continue
-            elif listing and out[-1] != listing:
-                out.append(listing)
-            out.append(arg)
-        return super().parse_args(ctx, out)
+        return super().parse_args(ctx, expand_lists(args, LIST_OPTIONS))
 
 
 VERBOSE = ("verbose", "debug", "trace")

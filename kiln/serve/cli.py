@@ -13,6 +13,8 @@ from pathlib import Path
 import click
 import uvicorn
 
+from kiln.utils import expand_lists
+
 THREADS_HELP = ("Intra-op threads (default: $OMP_NUM_THREADS, else the cores this process may use, "
                 "within its CPU affinity and cgroup quota).")
 
@@ -48,21 +50,6 @@ class ServeCommand(click.Command):
             if group in by_group:
                 with formatter.section(f"{group} options"):
                     formatter.write_dl(by_group[group])
-
-
-def expand_lists(args: list[str], lists: tuple[str, ...]) -> list[str]:
-    """The values after a list option as if the option were repeated before each (`--x=a b` too)."""
-    out, listing = [], None
-    for arg in args:
-        if arg.startswith("-"):
-            listing = next((o for o in lists if arg == o or arg.startswith(o + "=")), None)
-            if listing and arg != listing:
-                out.extend([listing, arg.split("=", 1)[1]])
-                continue
-        elif listing and out[-1] != listing:
-            out.append(listing)
-        out.append(arg)
-    return out
 
 
 def option(group: str, *names, **kwargs):

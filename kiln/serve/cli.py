@@ -69,8 +69,8 @@ def option(group: str, *names, **kwargs):
              "under $KILN_CACHE_DIR/engines (the second start loads it).")
 @option("ModelConfig", *_both("engine_dir"), type=click.Path(exists=True, file_okay=False), default=None,
         help="Kiln's name for an engine dir to serve.")
-@option("Frontend", "--host", default="0.0.0.0", show_default=True)
-@option("Frontend", "--port", type=int, default=8000, show_default=True)
+@option("Frontend", "--host", default="0.0.0.0", show_default=True, help="Where the server listens.")
+@option("Frontend", "--port", type=int, default=8000, show_default=True, help="Where the server listens.")
 @option("Frontend", *_both("api_key"), envvar="KILN_API_KEY", default=None,
         help="Require `Authorization: Bearer KEY` on /v1/* (env KILN_API_KEY).")
 @option("ModelConfig", *_both("served_model_name"), "served_model_names", multiple=True,
@@ -129,7 +129,8 @@ def option(group: str, *names, **kwargs):
         help="Tokens in one step: the core's max_num_tokens (at most the engine's; a model is built for it, "
              "default 2048).")
 @option("SchedulerConfig", "--enable_chunked_prefill/--disable_chunked_prefill", "--enable-chunked-prefill/"
-        "--disable-chunked-prefill", default=True, show_default=True)
+        "--disable-chunked-prefill", default=True, show_default=True,
+        help="Prefill long prompts in chunks within the step's token budget, beside running requests.")
 @option("SchedulerConfig", *_both("scheduler_policy"), type=click.Choice(["max_utilization", "guaranteed_no_evict"]),
         default="max_utilization", show_default=True, help="TensorRT-LLM's capacity scheduler policies.")
 @option("SchedulerConfig", *_both("max_batch_size"), type=int, default=None,
@@ -156,9 +157,12 @@ def option(group: str, *names, **kwargs):
              '"num_speculative_tokens": 4}.')
 @option("SpeculativeConfig", *_both("speculative_model"), default=None,
         help='vLLM\'s older form: "[ngram]" for prompt lookup, or a draft model (engine or HF dir, built alike).')
-@option("SpeculativeConfig", *_both("num_speculative_tokens"), type=int, default=None)
-@option("SpeculativeConfig", *_both("ngram_prompt_lookup_max"), type=int, default=None)
-@option("SpeculativeConfig", *_both("ngram_prompt_lookup_min"), type=int, default=None)
+@option("SpeculativeConfig", *_both("num_speculative_tokens"), type=int, default=None,
+        help="With --speculative-model: tokens drafted per step (speculative_config's num_speculative_tokens).")
+@option("SpeculativeConfig", *_both("ngram_prompt_lookup_max"), type=int, default=None,
+        help='With --speculative-model "[ngram]": the longest n-gram looked up (prompt_lookup_max).')
+@option("SpeculativeConfig", *_both("ngram_prompt_lookup_min"), type=int, default=None,
+        help='With --speculative-model "[ngram]": the shortest n-gram looked up (prompt_lookup_min).')
 @option("ObservabilityConfig", *_both("metrics_names"), type=click.Choice(["both", "vllm", "kiln"]), default="both",
         show_default=True,
         help="/metrics series under vLLM's names (vllm:..., with vLLM's older gpu_cache_usage_perc and "
@@ -166,9 +170,9 @@ def option(group: str, *names, **kwargs):
 @option("ObservabilityConfig", *_both("disable_log_stats"), is_flag=True, default=False,
         help="Accepted; Kiln logs no periodic stats (they are on /metrics).")
 @option("ObservabilityConfig", *_both("log_level"), type=click.Choice(["debug", "info", "warning", "error"]),
-        default="info", show_default=True)
+        default="info", show_default=True, help="The server's log level.")
 @option("ObservabilityConfig", "--access_log/--no_access_log", "--access-log/--no-access-log", default=True,
-        show_default=True)
+        show_default=True, help="uvicorn's line per HTTP request.")
 @option("Kiln", "--threads", type=int, default=None, help=THREADS_HELP)
 @option("Kiln", *_both("skip_tokenizer_init"), is_flag=True, default=False,
         help="Load no tokenizer (for engines built without one): prompts are token ids, completions "

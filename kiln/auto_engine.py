@@ -51,14 +51,19 @@ def is_hf_dir(path) -> bool:
     return isinstance(config, dict) and ("architectures" in config or "model_type" in config)
 
 
+def check_model(model) -> None:
+    """ConfigError unless `model` is a directory (what kind of one, the loaders say)."""
+    if not Path(model).expanduser().is_dir():
+        raise ConfigError(f"model {model}: no such directory (Kiln loads local dirs: an engine dir written by "
+                          f"engine-build, or a Hugging Face model dir with config.json and safetensors weights)")
+
+
 def engine_for(model, request: BuildRequest, log=print) -> Path:
     """The engine dir for `model`: itself if it is one, else the cached build of the HF dir."""
     path = Path(model).expanduser()
     if is_engine_dir(path):
         return path
-    if not path.is_dir():
-        raise ConfigError(f"model {model}: no such directory (Kiln loads local dirs: an engine dir written by "
-                          f"engine-build, or a Hugging Face model dir with config.json and safetensors weights)")
+    check_model(model)
     if not is_hf_dir(path):
         raise ConfigError(f"model {model}: neither an engine dir (config.json with build_config) nor a Hugging "
                           f"Face model dir (config.json with architectures)")

@@ -57,12 +57,13 @@ class EngineArgs:
 
 def resolve(args: EngineArgs, log=print) -> tuple[Path, dict]:
     """(engine dir, the engine core's keyword arguments)."""
-    from kiln.auto_engine import BuildRequest, engine_for, is_engine_dir
+    from kiln.auto_engine import BuildRequest, check_model, engine_for, is_hf_dir
 
+    check_model(args.model)
     _check_values(args)
     if args.speculative_model is not None and args.speculative_config is not None:
         raise ConfigError("speculative_model and speculative_config both given: use one")
-    if is_engine_dir(args.model):
+    if not is_hf_dir(args.model):  # an engine dir, or a broken one: its loader names what is wrong
         engine_dir = Path(args.model)
         _check_engine(args, EngineConfig.load(engine_dir))
     else:

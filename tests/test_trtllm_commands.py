@@ -37,10 +37,10 @@ DOCS = {
         "python convert_checkpoint.py --model_dir {model} --output_dir {ckpt} --dtype float16 --int8_kv_cache "
         "--use_weight_only --weight_only_precision int8",
         "trtllm-build --checkpoint_dir {ckpt} --output_dir {engine} --gemm_plugin auto"),
-    "smoothquant": (
+    "smoothquant": (  # converted only: its aoti engines are tests/test_quant_engine.py's
         LLAMA_README + ", SmoothQuant",
         "python3 convert_checkpoint.py --model_dir {model}  --output_dir {ckpt} --dtype float16 --smoothquant 0.5",
-        "trtllm-build --checkpoint_dir {ckpt} --output_dir {engine} --gemm_plugin auto"),
+        None),
     "mixtral_ep": (
         "TensorRT-LLM/examples/models/core/mixtral/README.md, expert parallelism",
         "python ../llama/convert_checkpoint.py --model_dir {model} --output_dir {ckpt} --dtype float16 "
@@ -87,11 +87,12 @@ else:
 """
 
 
-def run(argv: list[str], timeout: float = 600) -> str:
+def run(argv: list[str], timeout: float = 600, stderr: bool = False) -> str:
+    """The command's output (and its log on stderr too, if asked); it must succeed."""
     env = dict(os.environ, PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, f"{shlex.join(argv)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    return proc.stdout + (proc.stderr if stderr else "")
 
 
 def as_kiln(line: str, paths: dict) -> list[str]:
@@ -130,17 +131,34 @@ def doc_engines(hf_model, lora_dirs, tmp_path_factory) -> dict:
         _, convert, build_line = DOCS[name]
         paths = dict(model=hf_model(MODEL_OF.get(name, "llama")), ckpt=root / name / "ckpt",
                      engine=root / name / "engine", **lora_dirs)
-        run(as_kiln(convert, paths))
-        return paths["engine"], run(as_kiln(build_line, paths))
+        out = run(as_kiln(convert, paths), stderr=True)
+        return (paths["ckpt"], out) if build_line is None else (paths["engine"], run(as_kiln(build_line, paths)))
 
     with ThreadPoolExecutor(2) as pool:  # two commands at a time: each waits on its own compiler
         return dict(zip(DOCS, pool.map(build, DOCS)))
 
 
+def generate_here(engine_dir, lora=None) -> list[list[int]]:
+    from kiln import LLM, LoRARequest, SamplingParams
+
+    llm = LLM(engine_dir)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=8, temperature=0,
+                        ignore_eos=True), lora_request=lora and LoRARequest("a", 1, str(lora)))
+    llm.llm_engine.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 @pytest.mark.parametrize("name", list(DOCS))
 def test_documented_lines_build_engines_that_generate(name, doc_engines, fresh):
-    engine_dir, output = doc_engines[name]
-    tokens = fresh[DOC_KINDS.get(name, (name, "aoti"))]
+    """The engines among the kinds were generated from in fresh interpreters; the others here."""
+    built, output = doc_engines[name]
+    if DOCS[name][2] is None:  # converted only
+        pretrained = json.loads((built / "config.json").read_text())
+        assert pretrained["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
+        assert "calibrating int8_sq (alpha 0.5)" in output
+        return
+    engine_dir = built
+    tokens = fresh[DOC_KINDS[name]] if name in DOC_KINDS else generate_here(engine_dir)
     assert [len(t) for t in tokens] == [8, 8]
     config = json.loads((engine_dir / "config.json").read_text())
     build, pretrained = config["build_config"], config["pretrained_config"]
@@ -153,13 +171,11 @@ def test_documented_lines_build_engines_that_generate(name, doc_engines, fresh):
     if name == "int8_kv_int8_wo":
         assert pretrained["quantization"] == {**pretrained["quantization"], "quant_algo": "W8A16",
                                               "kv_cache_quant_algo": "INT8"}
-    if name == "smoothquant":
-        assert pretrained["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
     if name == "mixtral_ep":
         assert pretrained["mapping"]["moe_ep_size"] == 2 and pretrained["mapping"]["world_size"] == 2
     if name == "lora":
         assert build["lora_config"] == {"max_lora_rank": 8, "lora_target_modules": ["attn_q", "attn_k", "attn_v"]}
-        assert fresh[("dense-fp16", "aoti")] != tokens  # the adapter changes what is generated
+        assert generate_here(engine_dir, lora=None) != tokens  # the adapter changes what is generated
 
 
 GUIDE = ("python convert_checkpoint.py --model_dir {model} --output_dir {ckpt} --dtype bfloat16 "
@@ -200,22 +216,24 @@ parameters: {
 @pytest.fixture(scope="module")
 def guide_engine(tmp_path_factory):
     """The production guide's two commands on the default model (its 1,024 positions, asked for 8,192:
-    kept, with trtllm-build's warning); (engine dir, engine-build's output)."""
+    kept, with trtllm-build's warning); (engine dir, engine-build's output, what a fresh interpreter
+    generates from it)."""
     root = tmp_path_factory.mktemp("guide")
     paths = dict(model=Path(__file__).resolve().parent.parent / "models" / "kiln-tiny-stdlib",
                  ckpt=root / "checkpoint_fp8", engine=root / "engine_fp8")
     run(as_kiln(GUIDE[0], paths))
-    return paths["engine"], run(as_kiln(GUIDE[1], paths))
+    out = run(as_kiln(GUIDE[1], paths))
+    return paths["engine"], out, generate_fresh(paths["engine"])
 
 
 def test_the_production_guide_pipeline_verbatim(guide_engine):
-    engine_dir, out = guide_engine
+    engine_dir, out, tokens = guide_engine
     assert "warning: max_seq_len 8192 is larger than max_position_embeddings 1024" in out
     assert "--paged_kv_cache enable: Kiln's KV cache is always paged" in out
     config = json.loads((engine_dir / "config.json").read_text())
     assert config["pretrained_config"]["quantization"]["quant_algo"] == "FP8"
     assert config["pretrained_config"]["mapping"]["tp_size"] == 4 and config["build_config"]["max_seq_len"] == 8192
-    assert [len(t) for t in generate_fresh(engine_dir)] == [8, 8]
+    assert [len(t) for t in tokens] == [8, 8]
 
 
 def test_the_guides_engine_under_kiln_serve_and_its_triton_config(guide_engine, tmp_path):
@@ -227,9 +245,8 @@ def test_the_guides_engine_under_kiln_serve_and_its_triton_config(guide_engine, 
     from kiln.utils import free_ports
     from triton_client import Stream, Triton, engine_inputs
 
-    engine_dir = guide_engine[0]
-    prompt = PROMPTS[1]
-    want = generate_fresh(engine_dir)[1]
+    engine_dir, _, tokens = guide_engine
+    prompt, want = PROMPTS[1], tokens[1]
     port = free_ports(1)[0]
     serve = subprocess.Popen([str(BIN / "kiln"), "serve", "--engine_dir", str(engine_dir), "--port", str(port),
                               "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -306,9 +323,7 @@ def kinds(engine, doc_engines, hf_model, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("kinds")
     out = {("dense", "eager"): engine("llama"), ("moe", "eager"): engine("mixtral"),
            ("lora", "eager"): engine("llama", lora_config=LORA_BUILD),
-           **{DOC_KINDS.get(name, (name, "aoti")): engine_dir for name, (engine_dir, _) in doc_engines.items()}}
-    # the LoRA line's engine without an adapter: what the adapter changes
-    out[("dense-fp16", "aoti")] = doc_engines["lora"][0]
+           **{DOC_KINDS[name]: engine_dir for name, (engine_dir, _) in doc_engines.items() if name in DOC_KINDS}}
     int4, window = root / "int4_ckpt", root / "fp8kv_window_ckpt"
     run([str(BIN / "convert_checkpoint"), "--model_dir", str(hf_model("llama")), "--output_dir", str(int4),
          "--use_weight_only", "--weight_only_precision", "int4"])
@@ -324,10 +339,9 @@ def kinds(engine, doc_engines, hf_model, tmp_path_factory) -> dict:
 
 
 KINDS = [(k, b) for k in ("dense", "moe", "lora", "int4", "fp8kv_window", "draft") for b in ("eager", "aoti")]
-# The documented lines' engines among the kinds; the others are generated from as kinds of their own.
+# The documented lines' engines among the kinds.
 DOC_KINDS = {"bf16": ("dense", "aoti"), "int4_long_context": ("int4", "aoti"), "mixtral_ep": ("moe", "aoti"),
              "lora": ("lora", "aoti")}
-EXTRA = [("int8_kv_int8_wo", "aoti"), ("smoothquant", "aoti"), ("dense-fp16", "aoti")]
 
 
 def kind_spec(kind: str, backend: str, kinds: dict, lora_dirs: dict) -> tuple[Path, dict, str | None]:
@@ -343,14 +357,13 @@ def kind_spec(kind: str, backend: str, kinds: dict, lora_dirs: dict) -> tuple[Pa
 
 @pytest.fixture(scope="module")
 def fresh(kinds, lora_dirs) -> dict:
-    """(kind, backend) -> what a new interpreter generates from it (the documented lines' other engines
-    too, as (name, "aoti")), two interpreters at a time."""
+    """(kind, backend) -> what a new interpreter generates from it, two interpreters at a time."""
     def one(key):
         engine_dir, args, lora = kind_spec(*key, kinds, lora_dirs)
         return generate_fresh(engine_dir, args=args, lora=lora)
 
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(KINDS + EXTRA, pool.map(one, KINDS + EXTRA)))
+        return dict(zip(KINDS, pool.map(one, KINDS)))
 
 
 @pytest.mark.parametrize("kind, backend", KINDS, ids=[f"{k}-{b}" for k, b in KINDS])

@@ -231,9 +231,9 @@ def quantize_and_export(model, architecture: str, qformat: str | None, kv_cache_
     tokens = sum(len(w) for w in calib)
     if qformat == "int4_awq":
         what += f" ({AWQ_ALGORITHMS[awq_algorithm]})"
-    log(f"calibrating {what} with ModelOpt on {len(calib)} sample(s), {tokens:,} tokens")
     if qformat == "int8_sq" and smoothquant_alpha is not None:
         what += f" (alpha {smoothquant_alpha:g})"
+    log(f"calibrating {what} with ModelOpt on {len(calib)} sample(s), {tokens:,} tokens")
     quantize_model(model, qformat, kv_cache_dtype, group_size, calib, awq_algorithm=awq_algorithm,
                    smoothquant_alpha=smoothquant_alpha)
     expected = FORMATS[qformat].modelopt_algo if qformat else None

@@ -46,6 +46,8 @@ class QuantOptions:
 class Prepared:
     calib_texts: list[str] | None
     eval_texts: list[str] | None
+    # No accuracy report: calibrated on the default text, not the user's, and no --eval_dataset.
+    report: bool = True
 
 
 def prepare(cfg: PretrainedConfig, opts: QuantOptions) -> tuple[PretrainedConfig, Prepared]:
@@ -57,7 +59,8 @@ def prepare(cfg: PretrainedConfig, opts: QuantOptions) -> tuple[PretrainedConfig
     for name in ("calib_size", "calib_max_seq_len"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(opts, name)}")
-    if opts.calibrated and opts.calib_dataset is None and opts.default_calibration:
+    default = opts.calibrated and opts.calib_dataset is None and opts.default_calibration
+    if default:
         opts = dataclasses.replace(opts, calib_dataset=default_dataset())
     if opts.calibrated and opts.calib_dataset is None:
         what = opts.qformat or f"--kv_cache_dtype {opts.kv_cache_dtype}"
@@ -66,6 +69,7 @@ def prepare(cfg: PretrainedConfig, opts: QuantOptions) -> tuple[PretrainedConfig
     texts = Prepared(
         calib_texts=read_texts(opts.calib_dataset) if opts.calib_dataset is not None else None,
         eval_texts=read_texts(opts.eval_dataset, "evaluation") if opts.eval_dataset is not None else None,
+        report=not default or opts.eval_dataset is not None,
     )
     quantized = dataclasses.replace(cfg, quantization=quant_config(opts.qformat, opts.kv_cache_dtype,
                                                                    opts.group_size, opts.awq_algorithm))
@@ -100,6 +104,8 @@ def quantize(cfg: PretrainedConfig, opts: QuantOptions, texts: Prepared, weights
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         split = make_split(tokenizer, texts.calib_texts, texts.eval_texts, opts.calib_size,
                            opts.calib_max_seq_len, opts.eval_size)
+        if not texts.report:
+            split.eval = []
 
     quant_model = ref_model = None
     if opts.calibrated:

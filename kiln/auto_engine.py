@@ -30,7 +30,7 @@ class BuildRequest:
     pp_size: int = 1
     qformat: str | None = None
     max_batch_size: int = 256
-    max_seq_len: int | None = None  # None: the model's positions
+    max_seq_len: int = 2048  # prompt + output: the model's derived positions, or what was asked beyond them
     max_num_tokens: int = 2048
     backend: str = "aoti"
     lora_config: dict | None = None
@@ -108,7 +108,7 @@ def _build(model: Path, out: Path, request: BuildRequest, log) -> None:
         quant = QuantOptions(request.qformat, default_calibration=True) if request.qformat else None
         ckpt = convert_checkpoint(model, work / "checkpoint", request.dtype, request.tp_size, request.pp_size,
                                   quant=quant, log=log)
-        seq_len = request.max_seq_len or _positions(ckpt)  # a prompt may take all of it, as in vLLM
+        seq_len = request.max_seq_len  # a prompt may take all of it, as in vLLM
         build = BuildConfig(max_batch_size=request.max_batch_size, max_seq_len=seq_len, max_input_len=seq_len,
                             max_num_tokens=max(request.max_num_tokens, request.max_batch_size),
                             backend=request.backend, lora_config=request.lora_config)
@@ -119,12 +119,3 @@ def _build(model: Path, out: Path, request: BuildRequest, log) -> None:
         shutil.rmtree(work, ignore_errors=True)
     log(f"model {model}: engine built in {time.monotonic() - start:.0f}s -> {out}")
 
-
-def _positions(checkpoint: Path) -> int:
-    """The max_seq_len trtllm-build deduces: the model's positions, times its rope factor."""
-    from kiln.build.settings import resolve_max_seq_len
-    from kiln.config import BuildConfig, PretrainedConfig
-
-    build = BuildConfig(max_input_len=1)
-    resolve_max_seq_len(build, PretrainedConfig.load(checkpoint), lambda _: None)
-    return build.max_seq_len

@@ -6,12 +6,12 @@ it, naming the option."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.config import ConfigError, EngineConfig
+from kiln.convert.hf_config import default_dtype, pretrained_config_from_hf, read_hf_config
 
 # --quantization -> the quant_algo an engine (or checkpoint) of it has
 QUANTIZATIONS = {"fp8": "FP8", "awq": "W4A16_AWQ", "gptq": "W4A16_GPTQ", "smoothquant": "W8A8_SQ_PER_CHANNEL"}
@@ -69,11 +69,13 @@ def resolve(args: EngineArgs, log=print) -> tuple[Path, dict]:
     else:
         # Built for vLLM's defaults or what the options ask beyond them, so that the options only a
         # running engine needs (a smaller max_model_len, max_num_seqs, ...) share one engine.
-        positions = _check_positions(args)
-        request = BuildRequest(dtype=_dtype(args), tp_size=args.tensor_parallel_size or 1,
-                               pp_size=args.pipeline_parallel_size or 1, qformat=_qformat(args),
+        hf = read_hf_config(args.model)
+        qformat, dtype = _qformat(args, hf), _dtype(args, hf)
+        derived = _check_positions(args, pretrained_config_from_hf(hf, dtype or default_dtype(hf)))
+        request = BuildRequest(dtype=dtype, tp_size=args.tensor_parallel_size or 1,
+                               pp_size=args.pipeline_parallel_size or 1, qformat=qformat,
                                max_batch_size=max(args.max_num_seqs or 0, 256),
-                               max_seq_len=args.max_model_len if (args.max_model_len or 0) > positions else None,
+                               max_seq_len=max(args.max_model_len or 0, derived),
                                max_num_tokens=max(args.max_num_batched_tokens or 0, 2048),
                                backend="eager" if args.enforce_eager else "aoti",
                                lora_config={"max_lora_rank": max(args.max_lora_rank or 0, 16),
@@ -105,18 +107,15 @@ def _check_values(args: EngineArgs) -> None:
         args.notes.append("trust_remote_code: no remote code runs in Kiln; its model families are its own")
 
 
-def _dtype(args: EngineArgs) -> str | None:
-    """vLLM's dtype names; auto: the checkpoint's, float32 as float16 (vLLM's rule)."""
+def _dtype(args: EngineArgs, hf: dict) -> str | None:
+    """vLLM's dtype names; auto: the checkpoint's (None), float32 as float16 (vLLM's rule)."""
     if args.dtype != "auto":
         return {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    own = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return "float16" if own == "float32" else None
+    return "float16" if default_dtype(hf) == "float32" else None
 
 
-def _qformat(args: EngineArgs) -> str | None:
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    quantized = config.get("quantization_config")
+def _qformat(args: EngineArgs, hf: dict) -> str | None:
+    quantized = hf.get("quantization_config")
     if quantized is not None:
         raise ConfigError(f"model {args.model} is a pre-quantized checkpoint ({quantized.get('quant_method')}), which "
                           f"Kiln does not read yet; convert the unquantized model with --quantization fp8, or "
@@ -128,17 +127,15 @@ def _qformat(args: EngineArgs) -> str | None:
     return "fp8" if args.quantization == "fp8" else None  # vLLM quantizes an unquantized model to FP8 itself
 
 
-def _check_positions(args: EngineArgs) -> int:
-    """The positions the model's config derives (times its rope factor), which vLLM refuses a larger
-    max_model_len beyond, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (its switch, then a warning)."""
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    positions = config.get("max_position_embeddings") or 2048
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type") or scaling.get("type")
-    derived = int(positions * (scaling.get("factor", 1) if kind not in (None, "default", "llama3", "longrope") else 1))
+def _check_positions(args: EngineArgs, pretrained) -> int:
+    """The length the model's config derives (kiln.build.settings.deduced_max_seq_len), beyond which
+    vLLM refuses a max_model_len unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (its switch, then a warning)."""
+    from kiln.build.settings import deduced_max_seq_len
+
+    derived = deduced_max_seq_len(pretrained)
     if args.max_model_len is not None and args.max_model_len > derived:
         message = (f"User-specified max_model_len ({args.max_model_len}) is greater than the derived max_model_len "
-                   f"(max_position_embeddings={positions} in model's config.json)")
+                   f"(max_position_embeddings={pretrained.max_position_embeddings} in model's config.json)")
         if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
             raise ConfigError(f"{message}. To allow overriding this maximum, set the env var "
                               f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (as vLLM's); positions past it were never trained")

@@ -87,15 +87,23 @@ def resolve_plugins(build: BuildConfig, pretrained: PretrainedConfig, log) -> No
                               f"{', '.join(KILN_VALUES)}")
 
 
-def resolve_max_seq_len(build: BuildConfig, pretrained: PretrainedConfig, log) -> None:
-    """As trtllm-build: unset, the model's positions times its rope factor (none for llama3 and
-    LongRoPE, whose factors reshape frequencies, not the length); set beyond them, kept, with a
-    warning (rotary embeddings compute any position; the model has not seen them)."""
+def rope_factor(pretrained: PretrainedConfig) -> float:
+    """How far rope scaling stretches the model's positions (none for llama3 and LongRoPE, whose
+    factors reshape frequencies, not the length), as trtllm-build and vLLM derive the length."""
     scaling = pretrained.rotary_scaling or {}
-    factor = 1 if scaling.get("type") in (None, "llama3", "longrope") else scaling.get("factor") or 1
-    positions = pretrained.max_position_embeddings
+    return 1 if scaling.get("type") in (None, "llama3", "longrope") else scaling.get("factor") or 1
+
+
+def deduced_max_seq_len(pretrained: PretrainedConfig) -> int:
+    return int(-(-pretrained.max_position_embeddings * rope_factor(pretrained) // 1))
+
+
+def resolve_max_seq_len(build: BuildConfig, pretrained: PretrainedConfig, log) -> None:
+    """As trtllm-build: unset, the model's positions times its rope factor; set beyond them, kept, with
+    a warning (rotary embeddings compute any position; the model has not seen them)."""
+    factor, positions = rope_factor(pretrained), pretrained.max_position_embeddings
     if build.max_seq_len is None:
-        build.max_seq_len = int(-(-positions * factor // 1))
+        build.max_seq_len = deduced_max_seq_len(pretrained)
         log(f"max_seq_len is not specified, using deduced value {build.max_seq_len}")
         if build.max_input_len > build.max_seq_len:
             log(f"warning: max_input_len {build.max_input_len} is larger than max_seq_len {build.max_seq_len}, "

@@ -63,16 +63,18 @@ def use_caching_allocator() -> None:
     torch.ops.kiln_cpp.use_caching_allocator(choice == "caching", huge_pages.enabled())
 
 
-def register_ops(config: EngineConfig) -> None:
+def register_ops(config: EngineConfig) -> tuple[str, ...]:
     """Registers the op libraries the engine calls (kiln.engine.format.op_libraries), before its graph
-    is deserialized: whichever entry point loads it, in whatever fresh process."""
+    is deserialized: whichever entry point loads it, in whatever fresh process. Returns them."""
     import kiln.plugins  # noqa: F401  (the kiln:: Python ops)
 
-    if "kiln_cpp" in op_libraries(config.pretrained_config, config.build_config):
+    libraries = op_libraries(config.pretrained_config, config.build_config)
+    if "kiln_cpp" in libraries:
         from kiln.plugins import cpp
 
         cpp.ensure_built()  # registers the kiln_cpp:: ops (building them once if this machine has not)
         use_caching_allocator()
+    return libraries
 
 
 def load(backend: str, path: Path, unpacked: Path | None = None):
@@ -82,12 +84,12 @@ def load(backend: str, path: Path, unpacked: Path | None = None):
     (kiln/engine/extraction.py), which AOTInductor's loader runs from without writing anything;
     without it the loader unpacks the package into $TMPDIR itself."""
     config = EngineConfig.load(Path(path).parent)
-    register_ops(config)
+    libraries = register_ops(config)
     if backend == "aoti":
         # The loader itself: aoti_load_package cannot take a folder, and given a file object (a
         # path would have to end in .pt2) it first copies the whole package to a temporary file.
         serial = serial_graph_loops(Path(path).parent)
-        if "kiln_cpp" in op_libraries(config.pretrained_config, config.build_config):
+        if "kiln_cpp" in libraries:
             from kiln.plugins import c_shims
 
             c_shims.check(config.build_config.c_shims, str(path))

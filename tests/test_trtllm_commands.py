@@ -7,7 +7,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -242,31 +241,20 @@ def test_the_guides_engine_under_kiln_serve_and_its_triton_config(guide_engine, 
     same tokens to tritonclient."""
     import httpx
 
-    from kiln.utils import free_ports
+    from test_serve import Server
     from triton_client import Stream, Triton, engine_inputs
 
     engine_dir, _, tokens = guide_engine
     prompt, want = PROMPTS[1], tokens[1]
-    port = free_ports(1)[0]
-    serve = subprocess.Popen([str(BIN / "kiln"), "serve", "--engine_dir", str(engine_dir), "--port", str(port),
-                              "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    serve = Server(engine_dir, tmp_path / "serve.log")
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert serve.poll() is None, serve.stderr.read()
-            time.sleep(0.2)
         body = {"model": str(engine_dir), "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True}
-        choice = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+        choice = httpx.post(f"{serve.url}/v1/completions", json=body, timeout=120).json()["choices"][0]
         assert choice["token_ids"] == want
-    finally:
-        serve.terminate()
-        serve.wait(timeout=60)
+    finally:  # SIGTERM: the server drains and its rank workers go with it
+        serve.proc.terminate()
+        serve.proc.wait(timeout=60)
     model = tmp_path / "repo" / "tensorrt_llm"
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text(GUIDE_TRITON % engine_dir)

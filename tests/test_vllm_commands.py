@@ -24,6 +24,7 @@ from conftest import STRICT
 from kiln.plugins import cpp
 from kiln.utils import free_ports
 from test_lora import save_adapter
+from test_serve import Server
 from test_tools import SCHEMAS, TOOLS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +64,7 @@ def env(tmp_path_factory):
     return dict(os.environ, KILN_CACHE_DIR=str(root), OMP_NUM_THREADS="1")
 
 
-class Serve:
+class Serve(Server):
     """`vllm serve ...` run as `kiln serve ...` on a free port."""
 
     def __init__(self, line: str, env: dict, log: Path, **paths):
@@ -74,16 +75,7 @@ class Serve:
         self.log = log
         self.proc = subprocess.Popen([str(BIN / "kiln"), "serve", *argv[2:], "--host", "127.0.0.1", "--port",
                                       str(self.port)], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 600
-        while True:
-            assert self.proc.poll() is None, f"{line}:\n{log.read_text()[-4000:]}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.2)
+        self.wait_healthy(timeout=600)  # the first start of a model builds its engine
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
 
     def complete(self, model: str, prompt="def fibonacci(n):", max_tokens: int = 8, **extra) -> str:

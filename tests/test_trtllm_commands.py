@@ -36,10 +36,10 @@ DOCS = {
         "python convert_checkpoint.py --model_dir {model} --output_dir {ckpt} --dtype float16 --int8_kv_cache "
         "--use_weight_only --weight_only_precision int8",
         "trtllm-build --checkpoint_dir {ckpt} --output_dir {engine} --gemm_plugin auto"),
-    "smoothquant": (  # converted only: its aoti engines are tests/test_quant_engine.py's
+    "smoothquant": (
         LLAMA_README + ", SmoothQuant",
         "python3 convert_checkpoint.py --model_dir {model}  --output_dir {ckpt} --dtype float16 --smoothquant 0.5",
-        None),
+        "trtllm-build --checkpoint_dir {ckpt} --output_dir {engine} --gemm_plugin auto"),
     "mixtral_ep": (
         "TensorRT-LLM/examples/models/core/mixtral/README.md, expert parallelism",
         "python ../llama/convert_checkpoint.py --model_dir {model} --output_dir {ckpt} --dtype float16 "
@@ -123,7 +123,7 @@ def lora_dirs(hf_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def doc_engines(hf_model, lora_dirs, tmp_path_factory) -> dict:
-    """name -> (engine dir, the build's output): each documented pair run as its users type it."""
+    """name -> (engine dir, the commands' output): each documented pair run as its users type it."""
     root = tmp_path_factory.mktemp("doc_lines")
 
     def build(name):
@@ -131,7 +131,7 @@ def doc_engines(hf_model, lora_dirs, tmp_path_factory) -> dict:
         paths = dict(model=hf_model(MODEL_OF.get(name, "llama")), ckpt=root / name / "ckpt",
                      engine=root / name / "engine", **lora_dirs)
         out = run(as_kiln(convert, paths), stderr=True)
-        return (paths["ckpt"], out) if build_line is None else (paths["engine"], run(as_kiln(build_line, paths)))
+        return paths["engine"], out + run(as_kiln(build_line, paths))
 
     with ThreadPoolExecutor(2) as pool:  # two commands at a time: each waits on its own compiler
         return dict(zip(DOCS, pool.map(build, DOCS)))
@@ -150,13 +150,7 @@ def generate_here(engine_dir, lora=None) -> list[list[int]]:
 @pytest.mark.parametrize("name", list(DOCS))
 def test_documented_lines_build_engines_that_generate(name, doc_engines, fresh):
     """The engines among the kinds were generated from in fresh interpreters; the others here."""
-    built, output = doc_engines[name]
-    if DOCS[name][2] is None:  # converted only
-        pretrained = json.loads((built / "config.json").read_text())
-        assert pretrained["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
-        assert "calibrating int8_sq (alpha 0.5)" in output
-        return
-    engine_dir = built
+    engine_dir, output = doc_engines[name]
     tokens = fresh[DOC_KINDS[name]] if name in DOC_KINDS else generate_here(engine_dir)
     assert [len(t) for t in tokens] == [8, 8]
     config = json.loads((engine_dir / "config.json").read_text())
@@ -167,6 +161,9 @@ def test_documented_lines_build_engines_that_generate(name, doc_engines, fresh):
         assert build["max_seq_len"] == 16394 and build["max_num_tokens"] == 4096
         assert "max_seq_len 16394 is larger than max_position_embeddings 256" in output
         assert "--gather_context_logits True: no build flag needed" in output
+    if name == "smoothquant":
+        assert pretrained["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
+        assert "calibrating int8_sq (alpha 0.5)" in output
     if name == "int8_kv_int8_wo":
         assert pretrained["quantization"] == {**pretrained["quantization"], "quant_algo": "W8A16",
                                               "kv_cache_quant_algo": "INT8"}

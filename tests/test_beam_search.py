@@ -8,7 +8,7 @@ import torch
 from conftest import TEST_BUILD
 from kiln import LLM, SamplingParams
 from kiln.runtime.messages import request_blocks
-from test_runtime import assert_all_blocks_free
+from runtime_helpers import assert_all_blocks_free
 from tiny_models import PROMPTS
 
 MAX_TOKENS = 12

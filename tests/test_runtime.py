@@ -16,30 +16,17 @@ import torch
 
 from conftest import TEST_BUILD
 from kiln import LLM, AsyncLLM, SamplingParams
-from kiln.runtime.frontend.llm_engine import LLMEngine
 from kiln.runtime.frontend.tokenizer import load_tokenizer
+from runtime_helpers import (MAX_TOKENS, PLP, assert_all_blocks_free, assert_text_is_decode, close_logprobs, greedy,
+                             ref_params, tokens)
+from runtime_helpers import chunked_llm, engine_dir, llm, reference, tok  # noqa: F401 - fixtures
 from tiny_models import PROMPTS
 
-MAX_TOKENS = 16
-# Prompt 3 also asks for prompt logprobs, so that every configuration compares them too.
-PLP = 3
 TPB = TEST_BUILD["tokens_per_block"]
 # Prompt lengths depend on the tokenizer, trained on the installed Python's json package
 # (tests/tiny_models.py): sizes built on them are derived here, never pasted.
 PREEMPTED = [0, 1, 4]  # short prompts with long outputs (test_preemption_same_tokens)
 PREEMPT_OUTPUT = 24
-
-
-def greedy(max_tokens=MAX_TOKENS, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, **kw)
-
-
-def ref_params() -> list[SamplingParams]:
-    return [greedy(prompt_logprobs=1) if i == PLP else greedy() for i in range(len(PROMPTS))]
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def blocks(num_tokens: int) -> int:
@@ -49,17 +36,6 @@ def blocks(num_tokens: int) -> int:
 def room(llm, prompt: str) -> int:
     """The most tokens the engine lets this prompt generate: a request that stays in flight longest."""
     return llm.build_config.max_seq_len - len(llm.tokenizer.encode(prompt))
-
-
-def assert_all_blocks_free(engine: LLMEngine) -> None:
-    core = engine.core
-    kv, pool = core.kv, core.kv.pool
-    assert not engine.has_unfinished_requests() and not core.requests
-    assert not core.scheduler.running and not core.scheduler.waiting
-    assert pool.num_free == pool.num_blocks
-    assert sorted(pool.free) == list(range(pool.num_blocks))  # each block once
-    assert all(c == 0 for c in pool.ref_counts)
-    assert kv.reserved == 0
 
 
 def assert_async_blocks_free(async_llm: AsyncLLM) -> None:
@@ -74,55 +50,16 @@ def assert_async_blocks_free(async_llm: AsyncLLM) -> None:
     assert not async_llm.output_processor.requests
 
 
-def assert_text_is_decode(tok, outputs) -> None:
-    for out in outputs:
-        for c in out.outputs:
-            assert c.text == tok.decode(c.token_ids, skip_special_tokens=True), (c.finish_reason, c.token_ids)
-
-
 def first_new_token(ids: list[int], start: int) -> int:
     """The first index >= start whose token does not occur earlier in ids."""
     return next(j for j in range(start, len(ids)) if ids[j] not in ids[:j])
 
 
-def close_logprobs(a: dict, b: dict, tol: float) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k] == pytest.approx(b[k], abs=tol), k
-
-
 # --------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def engine_dir(engine):
-    return engine("llama")
-
-
 @pytest.fixture(scope="module")
 def prompt_lens(engine_dir) -> list[int]:
     tok = load_tokenizer(engine_dir)
     return [len(tok.encode(p)) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def llm(engine_dir):
-    return LLM(engine_dir)
-
-
-@pytest.fixture(scope="module")
-def tok(llm):
-    return llm.get_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def reference(llm):
-    outs = llm.generate(PROMPTS, ref_params())
-    assert_all_blocks_free(llm.llm_engine)
-    return outs
-
-
-@pytest.fixture(scope="module")
-def chunked_llm(engine_dir):
-    return LLM(engine_dir, max_num_tokens=16, enable_prefix_caching=False)  # every chunk computed
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,7 @@
-"""The runtime end to end on a tiny random Llama (eager engines): chunked prefill, preemption and
-both scheduler policies, KV block accounting, seeded sampling, n > 1 with shared prompt blocks,
-prompt/sample logprobs against HF transformers, stop conditions and detokenization, AsyncLLM
-streaming and aborts, request metrics.
-
-Greedy outputs of one LLM with default settings (`reference`) are the yardstick the other
-configurations must reproduce token for token."""
+"""In-flight batching end to end on a tiny random Llama (eager engines) with a small token budget or
+a small KV cache: chunked prefill (chunks beside other sequences' decodes), preemption and recompute
+under max_utilization, waiting under guaranteed_no_evict, n > 1 forks under preemption, aborts mid
+prefill and mid decode; every configuration gives the reference's tokens and every block back."""
 import math
 
 import pytest

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from kiln.build.ranks import build_ranks
-from kiln.convert.writer import copy_tokenizer_files, has_tokenizer
 from kiln.build.settings import resolve
 from kiln.config import BuildConfig, ConfigError, EngineConfig, PretrainedConfig, read_json, write_json
 from kiln.models.linear import check_quantization
+from kiln.tokenizer_files import copy_tokenizer_files, has_tokenizer
 from kiln.utils import peak_rss_mb, replace_dir, progress
 
 

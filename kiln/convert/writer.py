@@ -16,27 +16,7 @@ from typing import Callable, Iterable, Iterator
 from kiln.config import PretrainedConfig, torch_dtype, write_json
 from kiln.convert.hf import CheckpointError
 from kiln.convert.shard import Builder
-
-# Copied so that a checkpoint (and the engine dir built from it) is self-contained.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-    "chat_template.jinja",
-    "added_tokens.json",
-)
-
-
-# Any of these makes a tokenizer AutoTokenizer can load (the rest of TOKENIZER_FILES configure it).
-TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-def has_tokenizer(path: str | Path) -> bool:
-    return any((Path(path) / name).is_file() for name in TOKENIZER_VOCAB_FILES)
+from kiln.tokenizer_files import copy_tokenizer_files
 
 
 def rank_file(rank: int) -> str:
@@ -101,15 +81,6 @@ def _swap_into_place(new: Path, out: Path) -> None:
         old.rename(out)
         raise
     shutil.rmtree(old, ignore_errors=True)
-
-
-def copy_tokenizer_files(model_dir: Path, dest: Path) -> list[str]:
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (model_dir / name).is_file():
-            shutil.copyfile(model_dir / name, dest / name)
-            copied.append(name)
-    return copied
 
 
 def write_checkpoint(

@@ -1,6 +1,6 @@
 """The frontend's tokenizer: the one engine-build copied into the engine dir, or none."""
 from kiln.config import ConfigError
-from kiln.convert.writer import TOKENIZER_VOCAB_FILES, has_tokenizer
+from kiln.tokenizer_files import TOKENIZER_VOCAB_FILES, has_tokenizer
 
 
 def load_tokenizer(engine_dir):

@@ -76,7 +76,7 @@ def main():
     from kiln.build.builder import build_engine
     from kiln.config import BuildConfig, PretrainedConfig
     from kiln.convert.cli import convert_checkpoint
-    from kiln.convert.lora import read_adapter
+    from kiln.lora.adapter import read_adapter
 
     print(throughput.cpu_summary())
     print(f"load average at the start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")

@@ -44,7 +44,7 @@ def lora_convert(lora_dir, model_dir, output_dir, storage_type):
     from pathlib import Path
 
     from kiln.config import ConfigError, PretrainedConfig
-    from kiln.convert.lora import check_adapter, read_adapter, save_trtllm, to_trtllm
+    from kiln.lora.adapter import check_adapter, read_adapter, save_trtllm, to_trtllm
     from kiln.utils import replace_dir
 
     try:

@@ -172,6 +172,37 @@ def test_segmented_op_bad_inputs(args, message):
         torch.ops.kiln_cpp.lora(*call.values())
 
 
+@pytest.mark.parametrize("heads, kv_heads, tp", [(8, 8, 2), (8, 2, 4), (8, 1, 4), (4, 2, 4)])
+def test_rank_split_is_the_checkpoints(heads, kv_heads, tp):
+    """Each rank's share of an adapter is the rows and columns of the base linears that the rank's
+    checkpoint holds, KV heads replicated where there are fewer than tp ranks."""
+    from kiln.config import Mapping, PretrainedConfig
+    from kiln.convert.layout import output_ranges
+    from kiln.lora.adapter import Adapter
+    from kiln.lora.shard import rank_weights
+    from kiln.models.lora import module_shapes
+
+    cfg = PretrainedConfig("LlamaForCausalLM", "float32", 64, 64, 1, heads, kv_heads, 64 // heads, 96, 128,
+                           mapping=Mapping(world_size=tp, tp_size=tp))
+    shapes = module_shapes(PretrainedConfig(**{**cfg.__dict__, "mapping": Mapping()}))
+    # A's columns and B's rows numbered, so that a share names the ones it kept.
+    weights = {(0, m): (torch.arange(i).float().expand(2, i), torch.arange(o).float()[:, None].expand(o, 2))
+               for m, (i, o) in shapes.items()}
+    adapter = Adapter(None, 2, 1.0, MODULES, weights)
+    q_out, kv_out = heads * cfg.head_size, kv_heads * cfg.head_size
+    for r in range(tp):
+        (q, k, v), mlp = output_ranges(cfg, "attention.qkv", r), output_ranges(cfg, "mlp.fc", r)[0]
+        rows = {"attn_q": q, "attn_k": (k[0] - q_out, k[1] - q_out),
+                "attn_v": (v[0] - q_out - kv_out, v[1] - q_out - kv_out), "mlp_h_to_4h": mlp, "mlp_gate": mlp}
+        share = rank_weights(adapter, cfg, {"max_lora_rank": 2, "lora_target_modules": MODULES}, r)
+        for m, [(a, b)] in share.items():
+            if m in rows:
+                assert b[:, 0].tolist() == list(range(*rows[m])), (m, r)
+            else:  # row-parallel: A's input columns, an even split
+                part = shapes[m][0] // tp
+                assert a[0].tolist() == list(range(r * part, (r + 1) * part)), (m, r)
+
+
 def test_tp2_matches_peft(hf_model, mixed, tmp_path):
     from conftest import TEST_BUILD
     from kiln.build.builder import build_engine

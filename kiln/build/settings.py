@@ -118,7 +118,7 @@ def resolve_max_seq_len(build: BuildConfig, pretrained: PretrainedConfig, log) -
 def lora_from_adapters(build: BuildConfig, pretrained: PretrainedConfig, lora_dirs, log) -> None:
     """trtllm-build's --lora_dir: the adapters are read and checked; without --lora_target_modules the
     engine takes the modules they adapt."""
-    from kiln.convert.lora import read_adapter
+    from kiln.lora.adapter import read_adapter
 
     if build.lora_config is None:
         raise ConfigError("--lora_dir needs --lora_plugin auto")

@@ -186,7 +186,7 @@ class RankEngine:
 
     def set_lora(self, slot: int, weights: dict | None) -> None:
         """Adapter slot `slot` holds `weights` (module -> [(A [r, in], B [out, r] scaled) or None per layer
-        of the stage], this rank's share: kiln.convert.lora.rank_weights), or nothing (None)."""
+        of the stage], this rank's share: kiln.lora.shard.rank_weights), or nothing (None)."""
         self.lora_ranks[slot] = max((pair[0].shape[0] for pairs in (weights or {}).values() for pair in pairs
                                      if pair is not None), default=0)
         for m, pool in self.lora_pools.items():

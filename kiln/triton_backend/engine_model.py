@@ -147,7 +147,7 @@ class TritonPythonModel(EngineHost):
     def _lora(self, row):
         """The row's adapter: cached under its lora_task_id by the first request that sent its weights
         and config (TensorRT-LLM's format; weights sent again for a cached id are not read again)."""
-        from kiln.convert.lora import check_adapter, from_trtllm, save_trtllm
+        from kiln.lora.adapter import check_adapter, from_trtllm, save_trtllm
         from kiln.runtime.lora_request import LoRARequest
 
         task = row.lora_task_id

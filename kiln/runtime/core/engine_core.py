@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
+from kiln.lora.slots import LoraSlots
 from kiln.runtime.core.beam_search import BeamGroup
 from kiln.runtime.core.kv_cache_manager import KVCacheManager
 from kiln.runtime.core.request import Request, Sequence
@@ -32,7 +33,6 @@ from kiln.runtime.core.sample.rows import SampleRow, make_generator
 from kiln.runtime.core.sample.sampler import Sampler
 from kiln.runtime.core.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.core.spec_decode import SpecDecoder
-from kiln.runtime.core.lora_slots import LoraSlots
 from kiln.runtime.core.step_plan import StepPlan, plan_step
 from kiln.runtime.core.structured_output import StructuredOutputManager
 from kiln.runtime.executor.factory import make_executor

@@ -75,7 +75,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     extra_keys: tuple = ()  # what else changes its K/V besides the tokens (a cache salt): in every block hash
     lora_request: object = None  # its LoRA adapter (kiln.runtime.lora_request.LoRARequest)
-    lora_slot: int = -1  # the engine slot its adapter is in while a sequence of it runs (lora_slots.py)
+    lora_slot: int = -1  # the engine slot its adapter is in while a sequence of it runs (kiln/lora/slots.py)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

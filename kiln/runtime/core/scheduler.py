@@ -53,7 +53,7 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.policy = policy
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.loras = loras  # LoRA engines: the adapter slots (lora_slots.py), held by running sequences
+        self.loras = loras  # LoRA engines: the adapter slots (kiln/lora/slots.py), held by running sequences
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()

@@ -2,6 +2,8 @@
 import torch
 
 from kiln.engine.loader import RankEngine
+from kiln.lora.adapter import Adapter
+from kiln.lora.shard import rank_weights
 from kiln.runtime.executor.base import Executor
 
 
@@ -17,9 +19,7 @@ class UniprocExecutor(Executor):
     def execute(self, inputs: dict) -> torch.Tensor:
         return self.engine(inputs)
 
-    def set_lora(self, slot: int, adapter) -> None:
-        from kiln.convert.lora import rank_weights
-
+    def set_lora(self, slot: int, adapter: Adapter) -> None:
         build = self.config.build_config
         self.engine.set_lora(slot, rank_weights(adapter, self.config.pretrained_config, build.lora_config, 0))
 

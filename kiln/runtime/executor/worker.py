@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from kiln.config import EngineConfig, torch_dtype
 from kiln.engine.loader import RankEngine
+from kiln.lora.adapter import read_adapter
+from kiln.lora.shard import rank_weights
 from kiln.runtime.executor.distributed import RankGroups
 from kiln.runtime.executor.shm_ring import ShmRing, encode
 from kiln.threads import configure_threads
@@ -51,8 +53,6 @@ class RankWorker:
         return self.engine.num_blocks
 
     def set_lora(self, slot: int, adapter_dir: str) -> None:
-        from kiln.convert.lora import rank_weights, read_adapter
-
         lora_config = self.engine.config.build_config.lora_config
         adapter = read_adapter(adapter_dir, self.pretrained)
         self.engine.set_lora(slot, rank_weights(adapter, self.pretrained, lora_config, self.rank))

@@ -65,7 +65,7 @@ class InputProcessor:
 
     def check_lora(self, lora) -> None:
         """The adapter is one the engine runs (read once per lora_int_id; a bad one fails its request)."""
-        from kiln.convert.lora import check_adapter, read_adapter
+        from kiln.lora.adapter import check_adapter, read_adapter
         from kiln.runtime.lora_request import LoRARequest
 
         if not isinstance(lora, LoRARequest):

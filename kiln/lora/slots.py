@@ -1,4 +1,5 @@
-"""Which LoRA adapter each of the engine's `max_loras` slots holds (kiln/models/lora.py).
+"""Which LoRA adapter each of the engine's `max_loras` slots holds (kiln/models/lora.py), for the
+runtime's scheduler.
 
 A sequence holds its adapter's slot from admission to its end or preemption; a slot no sequence holds
 is reused for another adapter, least recently used first, and a sequence whose adapter finds no slot
@@ -6,13 +7,31 @@ waits. Read adapters stay in host memory, the `max_cpu_loras` most recently used
 a slot does not read the adapter dir again.
 """
 from collections import OrderedDict
+from typing import Protocol
 
-from kiln.convert.lora import Adapter, read_adapter
-from kiln.runtime.core.request import Sequence
+from kiln.config import EngineConfig
+from kiln.lora.adapter import Adapter, read_adapter
+
+
+# What the slots use of the runtime, which sits above this room (kiln/runtime/core/request.py's
+# Sequence, kiln/runtime/executor/base.py's Executor).
+class _Request(Protocol):
+    lora_request: object  # a LoRARequest (lora_int_id, lora_path), or None for the base model
+    lora_slot: int  # the slot its adapter is in while a sequence of it runs, else -1
+
+
+class _Sequence(Protocol):
+    request: _Request
+
+
+class _Executor(Protocol):
+    config: EngineConfig
+
+    def set_lora(self, slot: int, adapter: Adapter) -> None: ...
 
 
 class LoraSlots:
-    def __init__(self, executor, max_loras: int, max_cpu_loras: int):
+    def __init__(self, executor: _Executor, max_loras: int, max_cpu_loras: int):
         self.executor = executor
         self.max_cpu_loras = max(max_cpu_loras, 1)
         self.adapters: OrderedDict[int, Adapter] = OrderedDict()  # lora_int_id -> adapter, LRU last
@@ -20,7 +39,7 @@ class LoraSlots:
         self.users = [0] * max_loras  # sequences holding each slot
         self.idle: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # LRU first
 
-    def acquire(self, seq: Sequence) -> bool:
+    def acquire(self, seq: _Sequence) -> bool:
         """Give the sequence its adapter's slot (loading it there if needed); False: none is free."""
         lora = seq.request.lora_request
         if lora is None:
@@ -38,7 +57,7 @@ class LoraSlots:
         seq.request.lora_slot = slot
         return True
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: _Sequence) -> None:
         lora = seq.request.lora_request
         if lora is None or seq.request.lora_slot < 0:
             return

@@ -1,12 +1,12 @@
-"""LoRA adapters -> each rank's adapter weights in TensorRT-LLM's layout: per target module and layer,
-A [r, in] and B [out, r] with alpha / r (rsLoRA: alpha / sqrt(r)) folded into B, split over
-tensor-parallel ranks as the layers they adapt (kiln/models/lora.py).
+"""LoRA adapters as read and checked: per target module and layer, A [r, in] and B [out, r] with
+alpha / r (rsLoRA: alpha / sqrt(r)) folded into B, in TensorRT-LLM's module names (kiln/models/lora.py).
 
 Read from a Hugging Face PEFT dir (adapter_config.json + adapter_model.safetensors), where anything
 PEFT does that changes the math and Kiln does not implement is refused in one line (DoRA,
 modules_to_save, biases, per-module rank or alpha patterns, ...); or from TensorRT-LLM's C++ runtime
 format (model.lora_weights.npy: a row per module and layer, A then B flattened; model.lora_config.npy:
-[module id, layer, rank] per row), which `kiln lora convert` writes and Triton requests carry."""
+[module id, layer, rank] per row), which `kiln lora convert` writes and Triton requests carry.
+shard.py splits an adapter over an engine's ranks."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kiln.config import ConfigError, Mapping, PretrainedConfig, torch_dtype
-from kiln.convert.layout import output_ranges
-from kiln.models.lora import HF_MODULES, MODULE_IDS, ROW_PARALLEL, module_shapes
+from kiln.config import ConfigError, Mapping, PretrainedConfig
+from kiln.models.lora import HF_MODULES, MODULE_IDS, module_shapes
 
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # PEFT keys that must be at their neutral value: what they would change, Kiln does not compute.
@@ -178,40 +177,3 @@ def check_adapter(adapter: Adapter, config: PretrainedConfig, lora_config: dict)
             raise ConfigError(f"{adapter.path}: layer {layer} {module} is [{a.shape[1]} -> {b.shape[0]}]; the "
                               f"model's is {'absent' if layer >= config.num_hidden_layers else shapes[module]} "
                               f"(an adapter of another model?)")
-
-
-def rank_weights(adapter: Adapter, config: PretrainedConfig, lora_config: dict, rank: int
-                 ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The adapter's weights for rank `rank` of the engine: module -> [(A, B) for each layer of the
-    rank's pipeline stage, None where the adapter leaves the layer alone], in the model's dtype."""
-    check_adapter(adapter, config, lora_config)
-    dtype, tp_rank = torch_dtype(config.dtype), config.mapping.tp_rank(rank)
-    layers = config.layers_of(config.mapping.pp_rank(rank))
-    out = {}
-    for module in adapter.modules:
-        out[module] = []
-        for layer in layers:
-            pair = adapter.weights.get((layer, module))
-            if pair is not None:
-                a, b = _split(config, module, *pair, tp_rank)
-                pair = a.to(dtype), b.to(dtype)
-            out[module].append(pair)
-    return out
-
-
-def _split(config: PretrainedConfig, module: str, a: torch.Tensor, b: torch.Tensor, tp_rank: int):
-    """A's input columns of a row-parallel module, B's output rows of a column-parallel one."""
-    if config.mapping.tp_size == 1:
-        return a, b
-    hd = config.head_size
-    if module in ROW_PARALLEL:
-        part = a.shape[1] // config.mapping.tp_size
-        return a[:, tp_rank * part:(tp_rank + 1) * part], b
-    if module.startswith("attn_"):
-        q, k, v = output_ranges(config, "attention.qkv", tp_rank)
-        q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
-        lo, hi = {"attn_q": q, "attn_k": (k[0] - q_out, k[1] - q_out),
-                  "attn_v": (v[0] - q_out - kv_out, v[1] - q_out - kv_out)}[module]
-    else:
-        lo, hi = output_ranges(config, "mlp.fc", tp_rank)[0]
-    return a, b[lo:hi]

@@ -14,6 +14,7 @@ from collections import deque
 import torch
 
 from kiln.config import EngineConfig
+from kiln.lora.adapter import Adapter
 
 
 class Executor(ABC):
@@ -44,6 +45,11 @@ class Executor(ABC):
     @abstractmethod
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV blocks src -> dst on every rank, before the next step reads them."""
+
+    @abstractmethod
+    def set_lora(self, slot: int, adapter: Adapter) -> None:
+        """Load the adapter into LoRA slot `slot` (kiln/lora/slots.py picks it), each rank its share
+        (kiln/lora/shard.py), before the next step reads it. LoRA engines only."""
 
     def check(self) -> None:
         """Raises EngineDeadError if a rank has died (none can die apart from this process here)."""

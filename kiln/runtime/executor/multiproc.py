@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from kiln.config import ConfigError, EngineConfig
 from kiln.engine.format import warmup_inputs
+from kiln.lora.adapter import Adapter
 from kiln.runtime.executor.base import Executor
 from kiln.runtime.executor.shm_ring import ShmRing, decode
 from kiln.runtime.messages import EngineDeadError
@@ -188,7 +189,7 @@ class MultiprocExecutor(Executor):
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._copies.extend(pairs)
 
-    def set_lora(self, slot: int, adapter) -> None:
+    def set_lora(self, slot: int, adapter: Adapter) -> None:
         """Every rank reads the adapter dir and loads its share into the slot before the next step,
         which carries the request (the ring holds as many messages as steps in flight, no more)."""
         self._loras.append(f"{slot}\t{adapter.path}")  # done by every rank before the next step, which first reads them

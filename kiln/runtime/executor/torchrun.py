@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from kiln.config import ConfigError, EngineConfig
 from kiln.engine.format import warmup_inputs
+from kiln.lora.adapter import Adapter
 from kiln.runtime.executor.base import Executor
 from kiln.runtime.executor.shm_ring import decode, encode
 from kiln.runtime.executor.worker import RankWorker, error_report
@@ -104,6 +105,11 @@ class TorchrunExecutor(Executor):
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._copies.extend(pairs)
+
+    def set_lora(self, slot: int, adapter: Adapter) -> None:
+        # make_executor refuses LoRA engines under torchrun: rank 0 does not broadcast max_loras (the
+        # other ranks' pools would have the default's slots) and its steps carry no adapter loads.
+        raise ConfigError("LoRA engines under torchrun are not supported yet")
 
     def shutdown(self) -> None:
         if self.dead is None:

@@ -177,7 +177,7 @@ def test_rank_split_is_the_checkpoints(heads, kv_heads, tp):
     """Each rank's share of an adapter is the rows and columns of the base linears that the rank's
     checkpoint holds, KV heads replicated where there are fewer than tp ranks."""
     from kiln.config import Mapping, PretrainedConfig
-    from kiln.convert.layout import output_ranges
+    from kiln.layout import output_ranges
     from kiln.lora.adapter import Adapter
     from kiln.lora.shard import rank_weights
     from kiln.models.lora import module_shapes

@@ -11,7 +11,7 @@ Layout conventions, all as in TensorRT-LLM:
 - with more ranks than KV heads, each KV head is replicated on tp // kv_heads consecutive ranks;
 - embedding and lm_head are padded with zero rows to a multiple of tp and split along vocab;
 - layer indices inside a pipeline stage's file are global;
-- a mixture of experts' layer stacks its rank's experts (layout.py), read one expert at a time.
+- a mixture of experts' layer stacks its rank's experts (kiln/layout.py), read one expert at a time.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from kiln.config import PretrainedConfig
-from kiln.convert.layout import (COLUMN_PARALLEL, EXPERT_LINEARS, ROW_PARALLEL, SHARED, expert_range, input_split,
+from kiln.layout import (COLUMN_PARALLEL, EXPERT_LINEARS, ROW_PARALLEL, SHARED, expert_range, input_split,
                                  kv_head_range, linear_shapes, output_ranges)
 
 # A builder takes the open HF weights (kiln.convert.hf.HFWeights) and returns one rank tensor.

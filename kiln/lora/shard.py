@@ -3,6 +3,7 @@ the tensor-parallel ranks as the linears they adapt (kiln/models/lora.py)."""
 import torch
 
 from kiln.config import PretrainedConfig, torch_dtype
+from kiln.layout import kv_head_range
 from kiln.lora.adapter import Adapter, check_adapter
 from kiln.models.lora import ROW_PARALLEL, module_shapes
 
@@ -28,16 +29,15 @@ def rank_weights(adapter: Adapter, config: PretrainedConfig, lora_config: dict, 
 
 def _split(config: PretrainedConfig, module: str, a: torch.Tensor, b: torch.Tensor, tp_rank: int):
     """A's input columns of a row-parallel module, B's output rows of a column-parallel one: the rows
-    the rank holds of the base linear's output (the checkpoint's split, kiln/convert/layout.py's
-    output_ranges, which tests/test_lora.py holds this to)."""
+    the rank's checkpoint holds of the base linear's output (kiln/layout.py)."""
     tp = config.mapping.tp_size
     if tp == 1:
         return a, b
     if module in ROW_PARALLEL:
         part = a.shape[1] // tp
         return a[:, tp_rank * part:(tp_rank + 1) * part], b
+    if module in ("attn_k", "attn_v"):
+        heads = kv_head_range(config, tp_rank)
+        return a, b[heads.start * config.head_size:heads.stop * config.head_size]
     rows = module_shapes(config)[module][1]
-    # KV heads are split evenly, or each replicated on tp / kv_heads ranks where there are fewer than tp.
-    first = (tp_rank * config.num_key_value_heads // tp * config.head_size if module in ("attn_k", "attn_v")
-             else tp_rank * rows)
-    return a, b[first:first + rows]
+    return a, b[tp_rank * rows:(tp_rank + 1) * rows]

@@ -4,7 +4,7 @@ The router's logits come from the GEMM plugin in the model dtype (inside the plu
 where the router is packed, else from the model's Linear); `moe_gated` and `moe_routed` route on
 them exactly as HF does: a float32 softmax over all experts, top-k, optionally renormalized
 (moe.normalization_mode), cast back to the model dtype. The experts this rank holds
-(kiln/convert/layout.py) are packed per expert for the C++ GEMM and stacked; the plugin groups the
+(kiln/layout.py) are packed per expert for the C++ GEMM and stacked; the plugin groups the
 step's tokens by expert and runs each chosen expert once over its tokens. A shared expert
 (Qwen2-MoE) is a dense MLP on every token, scaled by sigmoid(x . shared_expert_gate). The layer
 returns this rank's partial sum; the caller's all-reduce completes it across ranks.
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ConfigError, PretrainedConfig, torch_dtype
-from kiln.convert.layout import SHARED, expert_range
+from kiln.layout import SHARED, expert_range
 from kiln.models.linear import Linear, PackedLinear, make_linear, quant_algo_of, tensor_specs
 from kiln.plugins import gemm, quant
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.config import ConfigError, PretrainedConfig, QuantConfig
-from kiln.convert.layout import all_linear_shapes, input_split, layer_kinds, linear_shapes, output_ranges
+from kiln.layout import all_linear_shapes, input_split, layer_kinds, linear_shapes, output_ranges
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def adopt_moe(tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor], num_layers: int) -> None:
-    """ModelOpt's export of a MoE layer in Kiln's layout (kiln/convert/layout.py): each expert's fc
+    """ModelOpt's export of a MoE layer in Kiln's layout (kiln/layout.py): each expert's fc
     as [up; gate] and the shared expert's fused gate and up split into fc (gate_proj) and gate
     (up_proj). Which half ModelOpt wrote first is read off the unquantized weights (`base`, Kiln's
     own layout), not assumed: its order differs between its model paths and versions."""

@@ -400,6 +400,9 @@ class BuildConfig:
         "gpt_attention_plugin": None, "gemm_plugin": None, "rmsnorm_plugin": None, "rope_plugin": None,
         "swiglu_plugin": None,
     })
+    # Written by engine-build: the kernel family of each group of the model's ops, as the plugin
+    # settings resolved (kiln.models.ops.op_set: {"attention": "cpp", "gemm": "cpp", ...}).
+    op_set: dict | None = None
     # gemm_plugin "cpp": time every GEMM kernel per GEMM and token bucket at build (kiln.plugins.tactics)
     # and keep the winners; timing_cache: a JSON file of measurements reused across builds.
     tactic_timing: bool = True

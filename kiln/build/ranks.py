@@ -22,6 +22,7 @@ from kiln.build.weights import load_rank_weights
 from kiln.config import BuildConfig, ConfigError, PretrainedConfig, torch_dtype
 from kiln.models.linear import PackedLinear
 from kiln.models.llama import LlamaForCausalLM
+from kiln.models.ops.op_set import OpSet
 from kiln.plugins import tactics
 from kiln.threads import available_cpus
 from kiln.utils import child_env, progress
@@ -47,7 +48,9 @@ def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildC
     table, tactic_seconds, cache = {}, 0.0, None
     with progress(total=4 if timing else 3, desc=f"rank {rank}", disable=not show_progress) as bar:
         weights = load_rank_weights(checkpoint_dir, pretrained, rank)
-        model = LlamaForCausalLM(pretrained, weights, rank, build.plugin_config, build.quantize_lm_head).eval()
+        lora_modules = () if build.lora_config is None else build.lora_config["lora_target_modules"]
+        model = LlamaForCausalLM(pretrained, weights, rank, OpSet(build.op_set), build.quantize_lm_head,
+                                 lora_modules).eval()
         bar.update(1)
         if timing:
             timed = time.time()
@@ -68,9 +71,6 @@ def time_tactics(model, pretrained: PretrainedConfig, build: BuildConfig):
     layer's tactics before export bakes them in: the table, and the timing cache it went through."""
     cache = tactics.TimingCache(build.timing_cache)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
-    if build.lora_config is not None:  # LoRA adds to gate_up's output before the activation: not fused
-        for layer in layers.values():
-            layer.swiglu = False
     with torch.no_grad():
         table = tactics.select(layers, torch_dtype(pretrained.dtype), build.max_num_tokens, build.int8_activations,
                                cache)

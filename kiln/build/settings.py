@@ -6,6 +6,7 @@ from kiln.config import ELEMENTWISE_PLUGINS, BuildConfig, ConfigError, Pretraine
 from kiln.engine.format import kv_cache_dtype
 from kiln.models.linear import INT4_ALGOS
 from kiln.models.lora import MODULE_IDS, check_lora_config
+from kiln.models.ops import op_set
 
 # TensorRT-LLM's plugin values: "auto" (the checkpoint's dtype) or a dtype turn a plugin on, "disable"
 # turns it off; Kiln's "cpp" is the plugin on, "inline" off (traced for the compiler), "python" the
@@ -58,6 +59,7 @@ def resolve(build: BuildConfig, pretrained: PretrainedConfig, log, lora_dirs=())
         build.plugin_config["nccl_plugin"] = "cpp"
     build.quantize_lm_head = lm_head_quantization(build.quantize_lm_head, pretrained,
                                                   build.plugin_config["gemm_plugin"])
+    build.op_set = op_set.choose(build.plugin_config)
 
 
 def resolve_plugins(build: BuildConfig, pretrained: PretrainedConfig, log) -> None:

@@ -164,6 +164,10 @@ class PackedLinear(nn.Module):
         return gemm.gemm(self._input(x), self.weight, self.scale, self.bias, self.n, self.group_size, self.out_float,
                          self.tactics)
 
+    def rows(self, ids, dtype):
+        """Rows `ids` of the weight as an embedding table (a packed lm_head tied to the embedding)."""
+        return gemm.embedding(self.weight, ids, self.n, self.k, self.scale, self.group_size, dtype)
+
     def forward_swiglu(self, x):
         """silu(gate) * up of this [gate; up] linear, in one call (`kiln_cpp::gemm_swiglu`)."""
         return gemm.gemm_swiglu(self._input(x), self.weight, self.scale, self.bias, self.n, self.group_size,

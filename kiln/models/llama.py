@@ -6,101 +6,136 @@ on kiln plugins.
 One rank's model: it holds the layers of its pipeline stage and runs one engine step (DESIGN.md,
 "The engine format") over a flat, unpadded token batch that mixes prefill chunks and decode tokens.
 """
-import dataclasses
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.config import ELEMENTWISE_PLUGINS, PretrainedConfig, torch_dtype
+from kiln.config import PretrainedConfig, torch_dtype
 from kiln.models import lora, rope
-from kiln.models.linear import PackedLinear, make_linear, packed_lm_head, tensor_specs
+from kiln.models.attention import make_attention
+from kiln.models.linear import PackedLinear, packed_lm_head, tensor_specs
 from kiln.models.moe import MoeMLP, moe_tensor_specs
+from kiln.models.ops.base import AttentionLayer, StepMeta
+from kiln.models.ops.op_set import OpSet
 from kiln.models.parallel import TensorParallel
-from kiln.plugins import cpu, gemm, ops
-
-class _Ops:
-    """Picks, per op, the plugin (a custom-op node the backend maps to its kernel) or the inline CPU
-    path (traced into the graph, where the compiler fuses it and no call leaves compiled code)."""
-
-    def __init__(self, plugin_config: dict):
-        def pick(key, name):
-            choice = plugin_config.get(key)
-            if choice == "cpp" and key in ELEMENTWISE_PLUGINS:  # kiln/plugins/csrc/elementwise.cpp
-                from kiln.plugins import cpp
-
-                return cpp.op(name)
-            return getattr(ops if choice not in (None, "inline") else cpu, name)
-
-        self.rms_norm = pick("rmsnorm_plugin", "rms_norm")
-        self.fused_add_rms_norm = pick("rmsnorm_plugin", "fused_add_rms_norm")
-        self.rotary_embedding = pick("rope_plugin", "rotary_embedding")
-        self.silu_and_mul = pick("swiglu_plugin", "silu_and_mul")
-        self.kv_cache_write = pick("gpt_attention_plugin", "kv_cache_write")
-        self.paged_attention = pick("gpt_attention_plugin", "paged_attention")
-        self.attention = None
-        if plugin_config.get("gpt_attention_plugin") == "cpp":
-            # The C++ plugin (kiln/plugins/csrc): a kiln_cpp:: node AOTInductor calls without Python.
-            # The KV write stays inline: one index_put_ on the pool, compiled in place.
-            from kiln.plugins import cpp
-
-            self.kv_cache_write = cpu.kv_cache_write
-            self.paged_attention = cpp.paged_attention_op()
-            # Norms, rope, KV write and attention of a layer in one call (kiln/plugins/csrc/attention.cpp)
-            self.attention = cpp.op("attention")
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, weights: dict, index: int, rank: int, packed: bool = False):
+    """One decoder layer; the family's choices (norm placement, window, rotary or not, q/k norms,
+    soft cap, multipliers, LoRA modules) are its parts, picked here once."""
+
+    def __init__(self, config: PretrainedConfig, weights: dict, index: int, rank: int, ops: OpSet,
+                 tp: TensorParallel, kv_index: int, step: lora.StepLora | None):
         super().__init__()
         prefix = f"transformer.layers.{index}."
 
-        def param(name, optional=False):
+        def param(name, present=True):
             key = prefix + name
+            if not present:
+                return None
             if key not in weights:
-                if optional:
-                    return None
                 raise KeyError(f"missing tensor {key}")
             return nn.Parameter(norm_weight(config, weights[key]) if name.endswith("layernorm.weight")
                                 else weights[key], requires_grad=False)
 
-        def linear(*names, bias=None):
-            return make_linear(config, weights, [prefix + n for n in names], bias, packed)
+        def linear(names, columns, bias=None):
+            """columns: (LoRA module, its first output column) of each part."""
+            layer = ops.linear(config, weights, [prefix + n for n in names], bias)
+            return lora.adapted(layer, kv_index, columns, step)
 
+        H, KH, D = config.heads_per_rank, config.kv_heads_per_rank, config.head_size
+        eps, multiplier = config.norm_epsilon, config.residual_multiplier
         # Norms a model does not have are None (config.pre_norm / post_norm).
-        self.input_layernorm = param("input_layernorm.weight", optional=not config.pre_norm)
-        self.post_layernorm = param("post_layernorm.weight", optional=not config.pre_norm)
-        self.post_attention_layernorm = param("post_attention_layernorm.weight", optional=not config.post_norm)
-        self.post_feedforward_layernorm = param("post_feedforward_layernorm.weight", optional=not config.post_norm)
-        self.qkv = linear("attention.qkv", bias=param("attention.qkv.bias", optional=True))
-        self.q_layernorm = param("attention.q_layernorm.weight", optional=not config.qk_layernorm)
-        self.k_layernorm = param("attention.k_layernorm.weight", optional=not config.qk_layernorm)
-        self.dense = linear("attention.dense")
-        self.rotary = index not in config.nope_layers
-        self.window = config.window_of(index)
-        self.moe = self.gate_up = self.proj = None
+        self.attn_input = ResidualNorm(ops, param("input_layernorm.weight", config.pre_norm), eps)
+        self.attn_output = BlockOutput(ops, tp, param("post_attention_layernorm.weight", config.post_norm), eps,
+                                       multiplier)
+        self.mlp_input = ResidualNorm(ops, param("post_layernorm.weight", config.pre_norm), eps)
+        self.mlp_output = BlockOutput(ops, tp, param("post_feedforward_layernorm.weight", config.post_norm), eps,
+                                      multiplier)
+        self.qkv = linear(["attention.qkv"], [("attn_q", 0), ("attn_k", H * D), ("attn_v", (H + KH) * D)],
+                          bias=param("attention.qkv.bias", prefix + "attention.qkv.bias" in weights))
+        self.dense = linear(["attention.dense"], [("attn_dense", 0)])
+        window = config.window_of(index)
+        spec = AttentionLayer(kv_index, H, KH, D, config.attention_multiplier or D ** -0.5, eps, window,
+                              config.attn_logit_softcapping or 0.0, index not in config.nope_layers,
+                              config.qk_layernorm_scope if config.qk_layernorm else None,
+                              bool(config.quantization.kv_cache_quant_algo))
+        kv_scale = (weights[prefix + "attention.kv_cache_scaling_factor"].float().reshape(())
+                    if spec.quantized_kv else None)
+        self.attention = make_attention(spec, ops, tp, config.num_attention_heads, config.num_key_value_heads,
+                                        param("attention.q_layernorm.weight", config.qk_layernorm),
+                                        param("attention.k_layernorm.weight", config.qk_layernorm), kv_scale)
+        # Gemma 3's sliding layers rotate with a base of their own (rope.RotaryTables)
+        self.rope = "local" if window and config.rotary_base_local is not None else "global"
         if config.is_moe_layer(index):
-            self.moe = MoeMLP(config, weights, prefix, rank, packed)
+            self.mlp = MoeMLP(config, weights, prefix, rank, ops.packed_gemm, ops.silu_and_mul)
         else:
-            # fc (activated) and gate as one GEMM: one pass over the activations instead of two;
-            # on the plugin, with SiLU applied in the same call (gemm_swiglu) unless LoRA adds to it.
-            self.gate_up = linear("mlp.fc", "mlp.gate")
-            self.proj = linear("mlp.proj")
-            self.gate_up.swiglu = isinstance(self.gate_up, PackedLinear) and config.hidden_act == "silu"
+            # fc (activated) and gate as one GEMM: one pass over the activations instead of two
+            gate_up = linear(["mlp.fc", "mlp.gate"], [("mlp_h_to_4h", 0), ("mlp_gate", config.intermediate_size
+                                                                           // config.mapping.tp_size)])
+            self.mlp = gated_mlp(gate_up, linear(["mlp.proj"], [("mlp_4h_to_h", 0)]),
+                                 ops.act_and_mul(config.hidden_act), config.hidden_act)
 
-    def mlp(self, x, act_and_mul, adapt=None):
-        """adapt(out, inp, (module, column), ...): out plus those modules' LoRA updates (LoRA engines)."""
-        if self.moe is not None:
-            return self.moe(x, act_and_mul)
-        if adapt is None and self.gate_up.swiglu:
-            return self.proj(self.gate_up.forward_swiglu(x))
-        up = self.gate_up(x)
-        if adapt is None:
-            return self.proj(act_and_mul(up))
-        up = adapt(up, x, ("mlp_h_to_4h", 0), ("mlp_gate", up.shape[-1] // 2))
-        h = act_and_mul(up)
-        return adapt(self.proj(h), h, ("mlp_4h_to_h", 0))
+    def forward(self, hidden, residual, kv_cache, meta: StepMeta, rope_tables: dict):
+        x, residual = self.attn_input(hidden, residual)
+        attn = self.attention(self.qkv(x), rope_tables[self.rope], kv_cache, meta)
+        hidden = self.attn_output(self.dense(attn.flatten(1)))
+        x, residual = self.mlp_input(hidden, residual)
+        return self.mlp_output(self.mlp(x)), residual
+
+
+class ResidualNorm(nn.Module):
+    """The residual stream with the last block's output added, and what the next block reads: the
+    stream normed (pre-norm models), or, without a weight (OLMo 2's post-norms only), the stream itself."""
+
+    def __init__(self, ops: OpSet, weight, eps: float):
+        super().__init__()
+        self.ops, self.weight, self.eps = ops, weight, eps
+
+    def forward(self, hidden, residual):
+        if self.weight is None:
+            residual = hidden if residual is None else hidden + residual
+            return residual, residual
+        if residual is None:  # the first layer
+            return self.ops.rms_norm(hidden, self.weight, self.eps), hidden
+        return self.ops.fused_add_rms_norm(hidden, residual, self.weight, self.eps)
+
+
+class BlockOutput(nn.Module):
+    """A block's row-parallel output summed over the ranks, normed where the model post-norms it
+    (OLMo 2, Gemma), scaled where it has a residual multiplier (Granite)."""
+
+    def __init__(self, ops: OpSet, tp: TensorParallel, weight, eps: float, multiplier: float):
+        super().__init__()
+        self.ops, self.tp, self.weight, self.eps, self.multiplier = ops, tp, weight, eps, multiplier
+
+    def forward(self, out):
+        out = self.tp.all_reduce(out)
+        if self.weight is not None:
+            out = self.ops.rms_norm(out, self.weight, self.eps)
+        return out if self.multiplier == 1 else out * self.multiplier
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, gate_up, proj, act_and_mul):
+        super().__init__()
+        self.gate_up, self.proj, self.act_and_mul = gate_up, proj, act_and_mul
+
+    def forward(self, x):
+        return self.proj(self.act_and_mul(self.gate_up(x)))
+
+
+class FusedSwigluMLP(GatedMLP):
+    """SiLU applied in the [gate; up] GEMM's epilogue (kiln_cpp::gemm_swiglu)."""
+
+    def forward(self, x):
+        return self.proj(self.gate_up.forward_swiglu(x))
+
+
+def gated_mlp(gate_up, proj, act_and_mul, hidden_act: str) -> GatedMLP:
+    fused = isinstance(gate_up, PackedLinear) and hidden_act == "silu"  # not under LoRA: it adds before SiLU
+    gate_up.swiglu = fused  # engine-build times its kernels as they will run
+    return (FusedSwigluMLP if fused else GatedMLP)(gate_up, proj, act_and_mul)
 
 
 def norm_weight(config: PretrainedConfig, weight: torch.Tensor) -> torch.Tensor:
@@ -108,186 +143,121 @@ def norm_weight(config: PretrainedConfig, weight: torch.Tensor) -> torch.Tensor:
     return weight if not config.norm_weight_offset else weight.float() + config.norm_weight_offset
 
 
-class LlamaForCausalLM(nn.Module):
-    """Rank `rank` of the checkpoint's mapping: its pipeline stage's layers, its tensor-parallel
-    share of each (kiln/models/parallel.py). The first stage embeds input_ids, later ones continue
-    from hidden_states; the last stage returns logits, earlier ones the hidden states for the next.
-    quantize_lm_head: "none", "int8" or "int4", the vocab GEMM's weight quantized at build (--quantize_lm_head)."""
+class Embedding(nn.Module):
+    """The first stage's input: input_ids looked up in this rank's vocabulary slice (or, tied to a
+    packed lm_head, read out of its table: one copy, not two), or embeddings given whole."""
 
-    def __init__(self, config: PretrainedConfig, weights: dict, rank: int = 0, plugin_config: dict | None = None,
-                 quantize_lm_head: str = "none"):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel, table=None, head: PackedLinear | None = None):
         super().__init__()
-        self.config = config
-        self.ops = _Ops(plugin_config or {})
-        self.tp = TensorParallel(config, rank)
-        # gemm_plugin "cpp": every GEMM on the C++ plugin, weights packed in its panel layout.
-        self.packed = (plugin_config or {}).get("gemm_plugin") == "cpp"
-        pp_rank = config.mapping.pp_rank(rank)
-        self.layer_ids = list(config.layers_of(pp_rank))
-        self.is_first = pp_rank == 0
-        self.is_last = pp_rank == config.mapping.pp_size - 1
-        self.num_heads = config.heads_per_rank
-        self.num_kv_heads = config.kv_heads_per_rank
-        self.head_size = config.head_size
-        self.eps = config.norm_epsilon
-        self.scale = config.attention_multiplier or config.head_size ** -0.5
-        self.vocab_embedding = self.lm_head = self.ln_f = None
-        if self.is_first:
-            self.vocab_embedding = nn.Parameter(weights["transformer.vocab_embedding.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(
-            LlamaLayer(config, weights, i, rank, self.packed) for i in self.layer_ids)
-        if self.is_last:
-            self._init_head(weights, quantize_lm_head)
-        self.register_buffer("inv_freq", rope.inv_freq(config), persistent=False)
-        self.register_buffer("inv_freq_long", rope.inv_freq(config, long=True) if config.long_rope_threshold else None,
-                             persistent=False)
-        # Gemma 3: sliding layers rotate with a base of their own, unscaled
-        self.local_rope = None if config.rotary_base_local is None else dataclasses.replace(
-            config, rotary_base=config.rotary_base_local, rotary_scaling=None)
-        self.register_buffer("inv_freq_local", None if self.local_rope is None else rope.inv_freq(self.local_rope),
-                             persistent=False)
-        # GeGLU (Gemma) is traced inline: the elementwise plugin has SwiGLU only
-        self.act_and_mul = cpu.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else self.ops.silu_and_mul
-        # Static per-layer scales of an 8-bit KV cache: the pool holds round/cast(x / scale).
-        self.register_buffer("kv_scales", torch.cat([
-            weights[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"].float().reshape(1)
-            for i in self.layer_ids]) if config.quantization.kv_cache_quant_algo else None)
+        self.config, self.tp, self.table, self.head = config, tp, table, head
 
-    def _init_head(self, weights: dict, quantize_lm_head: str) -> None:
-        self.ln_f = nn.Parameter(norm_weight(self.config, weights["transformer.ln_f.weight"]), requires_grad=False)
-        lm_head = weights["lm_head.weight"]
-        tied = (self.config.tie_word_embeddings and self.vocab_embedding is not None
-                and torch.equal(lm_head, self.vocab_embedding))
-        self.vocab_rows = lm_head.shape[0]
-        if self.packed:
-            self.lm_head = packed_lm_head(self.config, lm_head, quantize_lm_head)
-            if tied:  # embedding rows are read out of the packed (maybe quantized) table: one copy, not two
-                self.vocab_embedding = None
-        elif tied:
-            self.lm_head = self.vocab_embedding  # one copy of the table in the engine, not two
-        else:
-            self.lm_head = nn.Parameter(lm_head, requires_grad=False)
+    def lookup(self, ids):
+        if self.head is None:
+            return F.embedding(ids, self.table)
+        return self.head.rows(ids, torch_dtype(self.config.dtype))
 
-    def _embed(self, input_ids):
-        if self.vocab_embedding is None:  # tied to the packed lm_head
-            head, dtype = self.lm_head, torch_dtype(self.config.dtype)
-            return self.tp.embedding(lambda ids: gemm.embedding(
-                head.weight, ids, self.vocab_rows, self.config.hidden_size, head.scale, head.group_size, dtype),
-                input_ids)
-        return self.tp.embedding(lambda ids: F.embedding(ids, self.vocab_embedding), input_ids)
+    def forward(self, input_ids, hidden_states=None, inputs_embeds=None):
+        hidden = self.tp.embedding(self.lookup, input_ids) if inputs_embeds is None else inputs_embeds
+        m = self.config.embedding_multiplier
+        return hidden if m == 1 else hidden * m
 
-    def forward(self, input_ids, positions, slot_mapping, ctx_token_index, ctx_block_tables,
-                ctx_context_lens, gen_token_index, gen_block_tables, gen_context_lens, logits_index,
-                kv_cache, hidden_states=None, sequence_lens=None, lora_slots=None, lora_ranks=None, lora_pools=None):
-        o, T = self.ops, input_ids.shape[0]
-        H, KH, D = self.num_heads, self.num_kv_heads, self.head_size
-        rope_lens = None
-        if (self.config.rotary_scaling or {}).get("type") == "dynamic":
-            rope_lens = _rope_lens(positions, ctx_token_index, ctx_context_lens)
-        cos, sin = rope.cos_sin(self.config, self.inv_freq, positions, rope_lens, self.inv_freq_long, sequence_lens)
-        if self.local_rope is not None:
-            cos_local, sin_local = rope.cos_sin(self.local_rope, self.inv_freq_local, positions)
 
-        softcap = self.config.attn_logit_softcapping
-        adapters = None if lora_slots is None else lora.StepAdapters(lora_slots, lora_ranks, lora_pools, self.packed)
-        hidden = self._embed(input_ids) if self.is_first else hidden_states
-        if self.is_first and self.config.embedding_multiplier != 1:
-            hidden = hidden * self.config.embedding_multiplier
+class StageInput(nn.Module):
+    """A later pipeline stage's input: the previous stage's hidden states."""
 
-        def attend(i, layer, qkv, kv_scale):
-            """Layer i's attention [T, H, D] from its QKV projection, writing its K/V to the pool."""
-            cos_sin = (cos_local, sin_local) if layer.window and self.local_rope is not None else (cos, sin)
-            if (o.attention is not None and layer.rotary and kv_scale is None
-                    and (layer.q_layernorm is None or self.config.qk_layernorm_scope == "head")):
-                # One kiln_cpp::attention call: a float pool, and q/k norms (if any) per head
-                return o.attention(qkv, *cos_sin, kv_cache, i, slot_mapping, ctx_token_index, ctx_block_tables,
-                                   ctx_context_lens, gen_token_index, gen_block_tables, gen_context_lens, H,
-                                   self.scale, layer.q_layernorm, layer.k_layernorm, self.eps, layer.window,
-                                   softcap or 0.0)
-            q, k, v = qkv.split([H * D, KH * D, KH * D], dim=-1)
-            if layer.q_layernorm is not None and self.config.qk_layernorm_scope == "projection":
-                q = self._projection_norm(q, layer.q_layernorm, self.config.num_attention_heads)
-                k = self._projection_norm(k, layer.k_layernorm, self.config.num_key_value_heads)
-            q, k, v = q.view(T, H, D), k.view(T, KH, D), v.view(T, KH, D)
-            if layer.q_layernorm is not None and self.config.qk_layernorm_scope == "head":
-                q = o.rms_norm(q, layer.q_layernorm, self.eps)
-                k = o.rms_norm(k, layer.k_layernorm, self.eps)
-            if layer.rotary:
-                q, k = o.rotary_embedding(q, k, *cos_sin)
-            o.kv_cache_write(kv_cache, i, k, v, slot_mapping, kv_scale)
-            return o.paged_attention(q, kv_cache, i, ctx_token_index, ctx_block_tables, ctx_context_lens,
-                                     gen_token_index, gen_block_tables, gen_context_lens, self.scale,
-                                     *(() if kv_scale is None else (kv_scale,)),
-                                     **({"window": layer.window} if layer.window else {}),
-                                     **({"softcap": softcap} if softcap else {}))
+    def forward(self, input_ids, hidden_states=None, inputs_embeds=None):
+        return hidden_states
 
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = self._block_input(hidden, residual, layer.input_layernorm)
-            kv_scale = None if self.kv_scales is None else self.kv_scales[i]
-            adapt = None if adapters is None else functools.partial(adapters, i)
-            qkv = layer.qkv(x)
-            if adapt is not None:
-                qkv = adapt(qkv, x, ("attn_q", 0), ("attn_k", H * D), ("attn_v", (H + KH) * D))
-            attn = attend(i, layer, qkv, kv_scale).reshape(T, H * D)
-            out = layer.dense(attn)
-            hidden = self._block_output(out if adapt is None else adapt(out, attn, ("attn_dense", 0)),
-                                        layer.post_attention_layernorm)
-            x, residual = self._block_input(hidden, residual, layer.post_layernorm)
-            hidden = self._block_output(layer.mlp(x, self.act_and_mul, adapt), layer.post_feedforward_layernorm)
 
-        if not self.is_last:  # the next stage starts from the residual stream, as a layer would
-            return hidden + residual
-        # Only the selected tokens go through the final norm and the vocab GEMM.
-        hidden = (hidden + residual)[logits_index]
-        hidden = o.rms_norm(hidden, self.ln_f, self.eps)
-        if self.packed:
+class LogitsHead(nn.Module):
+    """The last stage's output: only the selected tokens through the final norm and the vocab GEMM,
+    scaled (Granite) and soft-capped (Gemma 2) as the model asks, gathered over the ranks."""
+
+    def __init__(self, config: PretrainedConfig, ops: OpSet, tp: TensorParallel, ln_f, lm_head):
+        super().__init__()
+        self.config, self.ops, self.tp, self.ln_f, self.lm_head = config, ops, tp, ln_f, lm_head
+
+    def forward(self, hidden, residual, logits_index):
+        c = self.config
+        hidden = self.ops.rms_norm((hidden + residual)[logits_index], self.ln_f, c.norm_epsilon)
+        if isinstance(self.lm_head, PackedLinear):
             logits = self.lm_head(hidden)
         else:
             logits = F.linear(hidden, self.lm_head).float()
-        if self.config.logits_scaling != 1:
-            logits = logits / self.config.logits_scaling
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return self.tp.gather_logits(logits)[:, : self.config.vocab_size]
-
-    def _block_input(self, hidden, residual, norm):
-        """The residual stream with the last block's output added, and what the next block reads:
-        the stream normed (pre-norm models) or the stream itself."""
-        if norm is None:
-            residual = hidden if residual is None else hidden + residual
-            return residual, residual
-        if residual is None:
-            return self.ops.rms_norm(hidden, norm, self.eps), hidden
-        return self.ops.fused_add_rms_norm(hidden, residual, norm, self.eps)
-
-    def _block_output(self, out, norm):
-        """A block's row-parallel output summed over the ranks, normed where the model post-norms it,
-        scaled where it has a residual multiplier."""
-        out = self.tp.all_reduce(out)
-        if norm is not None:
-            out = self.ops.rms_norm(out, norm, self.eps)
-        return out if self.config.residual_multiplier == 1 else out * self.config.residual_multiplier
-
-    def _projection_norm(self, x, weight, heads: int):
-        """RMSNorm over a whole q or k projection of `heads` heads (OLMo 2), of which this rank holds
-        its share: the sum of squares is summed over the ranks, a KV head that several ranks hold
-        (tp > KV heads) counted once."""
-        xf = x.float()
-        squares = xf.pow(2).sum(-1, keepdim=True)
-        if self.tp.size > 1:
-            squares = self.tp.all_reduce(squares) / max(1, self.tp.size // heads)
-        return (weight * (xf * torch.rsqrt(squares / (heads * self.head_size) + self.eps))).to(x.dtype)
+        if c.logits_scaling != 1:
+            logits = logits / c.logits_scaling
+        if c.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return self.tp.gather_logits(logits)[:, : c.vocab_size]
 
 
-def _rope_lens(positions, ctx_token_index, ctx_context_lens):
-    """Per token, the length its forward pass reaches: the chunk's end for context tokens, else pos + 1."""
-    T = positions.shape[0]
-    lens = torch.cat([positions + 1, positions.new_zeros(1)])
-    index = torch.where(ctx_token_index >= 0, ctx_token_index, T).flatten()
-    lens = lens.index_put((index,), ctx_context_lens[:, None].expand_as(ctx_token_index).flatten().to(lens.dtype))
-    return lens[:T]
+class StageOutput(nn.Module):
+    """An earlier pipeline stage's output: the residual stream, which the next stage continues."""
+
+    def forward(self, hidden, residual, logits_index):
+        return hidden + residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Rank `rank` of the checkpoint's mapping: its pipeline stage's layers, its tensor-parallel
+    share of each (kiln/models/parallel.py), on the kernels of `ops` (kiln/models/ops/).
+    quantize_lm_head: "none", "int8" or "int4", the vocab GEMM's weight quantized at build
+    (--quantize_lm_head); lora_modules: the LoRA target modules of the engine (TensorRT-LLM's names);
+    hidden_state_layers: layers whose output (the residual stream after them) the forward returns
+    beside the logits, {"layers.{i}": [T, hidden]}, for a draft model that reads them."""
+
+    def __init__(self, config: PretrainedConfig, weights: dict, rank: int = 0, ops: OpSet | None = None,
+                 quantize_lm_head: str = "none", lora_modules=(), hidden_state_layers=()):
+        super().__init__()
+        ops = ops or OpSet({"attention": "inline", "gemm": "inline", "norm": "inline", "rotary": "inline",
+                            "activation": "inline"})
+        self.config, self.ops = config, ops
+        self.tp = tp = TensorParallel(config, rank)
+        pp_rank = config.mapping.pp_rank(rank)
+        self.layer_ids = list(config.layers_of(pp_rank))
+        self.capture = {self.layer_ids.index(i): f"layers.{i}" for i in hidden_state_layers if i in self.layer_ids}
+        self.lora = lora.StepLora(lora_modules) if lora_modules else None
+        self.layers = nn.ModuleList(LlamaLayer(config, weights, i, rank, ops, tp, k, self.lora)
+                                    for k, i in enumerate(self.layer_ids))
+        self.rotary = rope.RotaryTables(config)
+        table = None
+        if pp_rank == 0:
+            table = nn.Parameter(weights["transformer.vocab_embedding.weight"], requires_grad=False)
+            self.embed = Embedding(config, tp, table)
+        else:
+            self.embed = StageInput()
+        if pp_rank == config.mapping.pp_size - 1:
+            ln_f = nn.Parameter(norm_weight(config, weights["transformer.ln_f.weight"]), requires_grad=False)
+            self.head = LogitsHead(config, ops, tp, ln_f, self._lm_head(weights["lm_head.weight"], table,
+                                                                        quantize_lm_head))
+        else:
+            self.head = StageOutput()
+
+    def _lm_head(self, weight: torch.Tensor, table, quantize: str):
+        tied = self.config.tie_word_embeddings and table is not None and torch.equal(weight, table)
+        if self.ops.packed_gemm:
+            head = packed_lm_head(self.config, weight, quantize)
+            if tied:  # embedding rows are read out of the packed (maybe quantized) table: one copy, not two
+                self.embed = Embedding(self.config, self.tp, head=head)
+            return head
+        return table if tied else nn.Parameter(weight, requires_grad=False)  # tied: one copy of the table
+
+    def forward(self, input_ids, positions, slot_mapping, ctx_token_index, ctx_block_tables,
+                ctx_context_lens, gen_token_index, gen_block_tables, gen_context_lens, logits_index,
+                kv_cache, hidden_states=None, sequence_lens=None, lora_slots=None, lora_ranks=None, lora_pools=None,
+                inputs_embeds=None):
+        meta = StepMeta(slot_mapping, ctx_token_index, ctx_block_tables, ctx_context_lens, gen_token_index,
+                        gen_block_tables, gen_context_lens)
+        if self.lora is not None:
+            self.lora.adapters = self.ops.lora(lora_slots, lora_ranks, lora_pools)
+        rope_tables = self.rotary(positions, meta, sequence_lens)
+        hidden, residual, captured = self.embed(input_ids, hidden_states, inputs_embeds), None, {}
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, kv_cache, meta, rope_tables)
+            if i in self.capture:
+                captured[self.capture[i]] = hidden + residual
+        out = self.head(hidden, residual, logits_index)
+        return (out, captured) if self.capture else out
 
 
 def checkpoint_shapes(config: PretrainedConfig, rank: int) -> dict[str, tuple[int, ...]]:

@@ -75,6 +75,31 @@ class StepAdapters:
         return out
 
 
+class StepLora:
+    """The step's adapters, shared by the model's adapted linears: the forward sets them once a step."""
+
+    def __init__(self, modules):
+        self.modules = frozenset(modules)
+        self.adapters: StepAdapters | None = None
+
+
+class AdaptedLinear(torch.nn.Module):
+    """A linear plus the LoRA updates of its modules, at their output columns."""
+
+    def __init__(self, linear: torch.nn.Module, layer: int, columns: list[tuple[str, int]], step: StepLora):
+        super().__init__()
+        self.linear, self.layer, self.columns, self.step = linear, layer, columns, step
+
+    def forward(self, x):
+        return self.step.adapters(self.layer, self.linear(x), x, *self.columns)
+
+
+def adapted(linear: torch.nn.Module, layer: int, columns: list[tuple[str, int]], step: StepLora | None):
+    """`linear` as it runs in an engine whose LoRA targets `step.modules`: adapted where it holds one."""
+    targeted = [c for c in columns if step is not None and c[0] in step.modules]
+    return AdaptedLinear(linear, layer, targeted, step) if targeted else linear
+
+
 def slot_mask(lora_slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
     """[T, slots]: 1 where the token's adapter is that slot (no 1 in a base-model token's row)."""
     return (lora_slots[:, None] == torch.arange(num_slots, device=lora_slots.device)[None, :]).to(dtype)

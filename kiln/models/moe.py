@@ -72,8 +72,9 @@ def _packed_experts(config: PretrainedConfig, weights: dict, name: str, n: int, 
 
 
 class MoeMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, weights: dict, prefix: str, rank: int, packed: bool):
+    def __init__(self, config: PretrainedConfig, weights: dict, prefix: str, rank: int, packed: bool, silu_and_mul):
         super().__init__()
+        self.silu_and_mul = silu_and_mul  # the shared expert's
         m, hidden = config.mapping, config.hidden_size
         dtype = torch_dtype(config.dtype)
         router = weights[prefix + "mlp.router.weight"].to(dtype)
@@ -97,7 +98,7 @@ class MoeMLP(nn.Module):
             self.shared_gate = nn.Parameter(weights[prefix + "mlp.shared_expert_gate.weight"].to(dtype),
                                             requires_grad=False)
 
-    def forward(self, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         from kiln.plugins import cpp
 
         fc, proj, router = self.fc, self.proj, self.router
@@ -110,7 +111,7 @@ class MoeMLP(nn.Module):
             xq = x if fc.act_scale is None else quant.quantize_to(x, fc.act_scale, fc.act_dtype).to(x.dtype)
             out = cpp.op("moe_routed")(xq, router(x), self.top_k, self.renormalize, *experts)
         if self.shared_gate is not None:
-            shared = self.shared_proj(silu_and_mul(self.shared_gate_up(x)))
+            shared = self.shared_proj(self.silu_and_mul(self.shared_gate_up(x)))
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return out
 

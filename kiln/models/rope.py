@@ -1,8 +1,10 @@
 """Rotary position embedding frequencies, with HF's scaling types (linear, dynamic NTK, llama3, YaRN,
 LongRoPE), over the first rotary_dim dims of each head."""
+import dataclasses
 import math
 
 import torch
+from torch import nn
 
 from kiln.config import PretrainedConfig
 
@@ -114,3 +116,37 @@ def cos_sin(config: PretrainedConfig, freq: torch.Tensor, positions: torch.Tenso
     if scale == 1.0:
         return angles.cos(), angles.sin()
     return angles.cos() * scale, angles.sin() * scale
+
+
+class RotaryTables(nn.Module):
+    """A step's cos/sin tables, per rope a layer may use: "global", and Gemma 3's "local" (its
+    sliding layers' own base, unscaled)."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.config = config
+        self.dynamic = (config.rotary_scaling or {}).get("type") == "dynamic"
+        self.register_buffer("inv_freq", inv_freq(config), persistent=False)
+        self.register_buffer("inv_freq_long", inv_freq(config, long=True) if config.long_rope_threshold else None,
+                             persistent=False)
+        self.local = None if config.rotary_base_local is None else dataclasses.replace(
+            config, rotary_base=config.rotary_base_local, rotary_scaling=None)
+        self.register_buffer("inv_freq_local", None if self.local is None else inv_freq(self.local),
+                             persistent=False)
+
+    def forward(self, positions, meta, sequence_lens=None) -> dict:
+        """meta: the step's kiln.models.ops.base.StepMeta; sequence_lens: LongRoPE's per-token lengths."""
+        lens = _rope_lens(positions, meta.ctx_token_index, meta.ctx_context_lens) if self.dynamic else None
+        tables = {"global": cos_sin(self.config, self.inv_freq, positions, lens, self.inv_freq_long, sequence_lens)}
+        if self.local is not None:
+            tables["local"] = cos_sin(self.local, self.inv_freq_local, positions)
+        return tables
+
+
+def _rope_lens(positions, ctx_token_index, ctx_context_lens):
+    """Per token, the length its forward pass reaches: the chunk's end for context tokens, else pos + 1."""
+    T = positions.shape[0]
+    lens = torch.cat([positions + 1, positions.new_zeros(1)])
+    index = torch.where(ctx_token_index >= 0, ctx_token_index, T).flatten()
+    lens = lens.index_put((index,), ctx_context_lens[:, None].expand_as(ctx_token_index).flatten().to(lens.dtype))
+    return lens[:T]

@@ -69,7 +69,7 @@ class Server:
                 if self.http.get("/health", timeout=2).status_code == 200:
                     # the engine runs in the server's engine-core process
                     (self.core,) = [c for c in psutil.Process(self.proc.pid).children()
-                                    if "kiln.runtime.core.engine_core" in c.cmdline()]
+                                    if "kiln.runtime.core.core_process" in c.cmdline()]
                     self.folder = process_folder(area(self.env), self.core.pid)
                     return self
             except httpx.TransportError:

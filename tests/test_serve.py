@@ -495,7 +495,7 @@ def test_killed_engine_core_fails_fast(engine_dir, llm, tmp_path):
 
     server = Server(engine_dir, tmp_path / "server.log", "--api_key", KEY, "--served_model_name", MODEL)
     try:
-        (core,) = [p for p in psutil.Process(server.proc.pid).children() if "kiln.runtime.core.engine_core" in p.cmdline()]
+        (core,) = [p for p in psutil.Process(server.proc.pid).children() if "kiln.runtime.core.core_process" in p.cmdline()]
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": room(llm, PROMPTS[0]), "temperature": 0,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30,

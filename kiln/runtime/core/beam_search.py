@@ -10,15 +10,20 @@ penalty, of which the best `width` are kept. The search stops as Hugging Face's 
 scored at its current length, cannot beat the worst of them; `"never"` the same, scored at
 max_tokens when the length penalty favours long outputs; and always when every continuation ends.
 
-The engine core (engine_core.py) calls `step` once every running beam has its log-probabilities,
-moves the beams' KV blocks to their new parents (kv_cache_manager.py `reassign`), and emits the
-best n hypotheses when the search is done: beams reorder, so nothing streams before.
+`BeamSearch` is the request-group policy (request_group.py): it keeps each beam's log-probabilities
+as the core draws them, calls `BeamGroup.step` once every running beam has them (a preempted beam is
+recomputed first), moves the beams' KV blocks to their new parents (kv_cache_manager.py `reassign`),
+and gives the best n hypotheses when the search is done: beams reorder, so nothing streams before.
 """
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.core.request import Sequence
+from kiln.runtime.core.request_group import RequestGroup, Settled
+from kiln.runtime.messages import SampleDelta
+from kiln.runtime.sampling_params import SAMPLING_EPS, SamplingParams
 
 
 @dataclass
@@ -99,3 +104,73 @@ class BeamGroup:
     def results(self) -> list[Hypothesis]:
         """The n best finished hypotheses, best first."""
         return self.finished[:self.params.n]
+
+
+@dataclass
+class Beam:
+    """A running beam's score, its output tokens' log-probabilities, and its next-token
+    log-probabilities once its last token is computed."""
+    score: float = 0.0
+    history: list[float] = field(default_factory=list)
+    logprobs: torch.Tensor | None = None
+
+
+class BeamSearch(RequestGroup):
+    def __init__(self, request, host):
+        super().__init__(request, host)
+        self.search = BeamGroup(request.params, request.max_tokens, request.eos_token_ids)
+        self.beams: dict[Sequence, Beam] = {}
+        self.drawn = False
+
+    def draw(self, seq: Sequence, logits_row: torch.Tensor) -> list[Sequence]:
+        self.beams.setdefault(seq, Beam()).logprobs = _beam_logprobs(logits_row, self.request.params.temperature)
+        self.drawn = True
+        return []
+
+    def settle(self) -> Settled | None:
+        if not self.drawn:
+            return None
+        self.drawn = False
+        req, host = self.request, self.host
+        running = [s for s in req.sequences if not s.finished]
+        state = [self.beams.setdefault(b, Beam()) for b in running]
+        if not all(s.logprobs is not None and b.num_computed_tokens == b.num_tokens for b, s in zip(running, state)):
+            return None  # some are being recomputed after a preemption
+        outputs = [b.output_token_ids for b in running]
+        chosen = self.search.step(torch.stack([s.logprobs for s in state]), [s.score for s in state], outputs,
+                                  [s.history for s in state])
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if self.search.done:
+            return Settled(results=self._finish(running))
+        new = [host.new_sequence(req, i, []) for i in range(len(running), len(chosen))]
+        host.kv.split_reservation(running[0], new)
+        running += new
+        copies = host.kv.reassign(running, [c.parent for c in chosen])
+        self.beams = {b: Beam(c.cumulative_logprob, state[c.parent].history + [c.logprob])
+                      for b, c in zip(running, chosen)}
+        for b, c in zip(running, chosen):
+            b.token_ids = req.prompt_token_ids + outputs[c.parent] + [c.token]
+        if new:
+            req.sequences.extend(new)
+            host.scheduler.add_forked(new)
+            req.forked = True
+        return Settled(copies)
+
+    def _finish(self, beams: list[Sequence]) -> list[SampleDelta]:
+        req = self.request
+        for b in beams:
+            b.finish_reason = "stop"
+            self.host.scheduler.finish(b)
+        req.forked = True
+        want_lp = req.params.logprobs is not None
+        return [SampleDelta(i, h.token_ids, [{t: lp} for t, lp in zip(h.token_ids, h.logprobs)] if want_lp else None,
+                            h.finish_reason, h.stop_reason, cumulative_logprob=h.cumulative_logprob)
+                for i, h in enumerate(self.search.results())]
+
+
+def _beam_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float()
+    if temperature > SAMPLING_EPS and temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1)

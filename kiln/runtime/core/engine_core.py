@@ -7,6 +7,10 @@ runs it in its own thread or talks to `run_engine_core`, its busy loop in a proc
 the two say to each other is in kiln/runtime/messages.py. A request ends here by EOS, a stop token
 id or its length, or when the frontend aborts it (an abort, or a stop string the frontend found).
 
+Each step reads schedule -> plan -> execute -> sample -> emit. How a request's sequences are made
+(n > 1 samples forked from one prompt, a beam search's beams) is its group's policy
+(request_group.py); the core's own process loop is core_process.py.
+
 A pipeline-parallel engine under worker processes has up to pp_size steps in flight (a batch queue,
 as vLLM v1's engine core keeps): step t + 1 is scheduled, from sequences not in step t, and
 submitted before step t's logits are collected.
@@ -14,21 +18,19 @@ submitted before step t's logits are collected.
 import atexit
 import gc
 import os
-import pickle
-import signal
-import sys
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
 
 import torch
 
 from kiln.lora.slots import LoraSlots
-from kiln.runtime.core.beam_search import BeamGroup
+from kiln.runtime.core.beam_search import BeamSearch
 from kiln.runtime.core.kv_cache_manager import KVCacheManager
+from kiln.runtime.core.parallel_sampling import ParallelSampling
 from kiln.runtime.core.request import Request, Sequence
+from kiln.runtime.core.request_group import RequestGroup
 from kiln.runtime.core.sample.rows import SampleRow, make_generator
 from kiln.runtime.core.sample.sampler import Sampler
 from kiln.runtime.core.scheduler import Scheduler, SchedulerOutput
@@ -36,9 +38,8 @@ from kiln.runtime.core.spec_decode import SpecDecoder
 from kiln.runtime.core.step_plan import StepPlan, plan_step
 from kiln.runtime.core.structured_output import StructuredOutputManager
 from kiln.runtime.executor.factory import make_executor
-from kiln.runtime.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineDeadError,
-                                   EngineInfo, IterationStats, Pipe, SampleDelta, SchedulerStats)
-from kiln.runtime.sampling_params import SAMPLING_EPS
+from kiln.runtime.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo,
+                                   IterationStats, SampleDelta, SchedulerStats)
 from kiln.threads import available_cpus, configure_threads
 
 
@@ -138,16 +139,16 @@ class EngineCore:
         req = Request(r.request_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids, keys,
                       lora_request=r.lora_request, arrival_time=r.arrival_time,
                       forked=r.params.n == 1 and not r.params.use_beam_search)
-        if r.params.use_beam_search:
-            req.beams = BeamGroup(r.params, r.max_tokens, r.eos_token_ids)
-        req.sequences.append(self._new_sequence(req, 0, list(r.prompt_token_ids)))
+        req.group = (BeamSearch if r.params.use_beam_search else ParallelSampling if r.params.n > 1
+                     else RequestGroup)(req, self)
+        req.sequences.append(self.new_sequence(req, 0, list(r.prompt_token_ids)))
         self.requests[r.request_id] = req
         if r.params.guided_decoding is not None:
             self.structured.add(req)  # scheduled once its grammar is compiled
         else:
             self.scheduler.add(req)
 
-    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+    def new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seed = req.params.seed
         return Sequence(req, index, token_ids, generator=None if seed is None else make_generator(seed, index))
 
@@ -186,16 +187,18 @@ class EngineCore:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        """schedule -> plan -> execute -> sample -> emit (several steps in flight under pipeline
+        parallelism: _step_with_batch_queue)."""
         errors = self._admit_guided()
         if self.batch_queue.size > 1:
             outputs = self._step_with_batch_queue()
         else:
-            step = self._schedule()
+            step = self._schedule()  # and plan
             if step is None:
                 outputs = EngineCoreOutputs([], self.stats())
             else:
                 step.masks = self._fill_masks(step)
-                outputs = self._process(step, self.executor.execute(step.plan.inputs))
+                outputs = self._process(step, self.executor.execute(step.plan.inputs))  # sample and emit
         outputs.errors += errors
         return outputs
 
@@ -293,27 +296,26 @@ class EngineCore:
 
     def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor, touched: dict,
                 allowed: dict) -> None:
-        """allowed: the bitmask rows of the guided sequences (a forking request's samples share its
+        """Each scheduled row's sequences, as its request's group draws them, sampled in one call.
+        allowed: the bitmask rows of the guided sequences (a forking request's samples share its
         first sequence's: none has emitted a token yet)."""
-        seqs, rows, masks, copies, searches = [], [], [], [], {}
+        seqs, rows, masks, groups = [], [], [], {}
         for seq, row in to_sample:
-            req = seq.request
+            group = seq.request.group
+            groups[id(group)] = group
             mask = allowed.get(seq, [None])[0]
-            if req.beams is not None:
-                seq.beam_logprobs = _beam_logprobs(logits[row], req.params.temperature)
-                searches[req.request_id] = req
-            elif not req.forked:
-                copies.extend(self._fork(seq))
-                for s in req.sequences:
-                    seqs.append(s)
-                    rows.append(row)
-                    masks.append(mask)
-            else:
-                seqs.append(seq)
+            for s in group.draw(seq, logits[row]):
+                seqs.append(s)
                 rows.append(row)
                 masks.append(mask)
-        for req in searches.values():
-            copies.extend(self._beam_step(req, touched))
+        copies = []
+        for group in groups.values():
+            settled = group.settle()
+            if settled is not None:
+                copies += settled.copies
+                if settled.results is not None:
+                    self._output(touched, group.request).samples += settled.results
+                    self._finished(group.request, time.monotonic())
         self.executor.copy_blocks(copies)
         if not seqs:
             return
@@ -347,70 +349,10 @@ class EngineCore:
                 break
         self._output(touched, req).samples.append(sample)
         if seq.finished and req.finished:
-            req.finished_time = now
-            self.requests.pop(req.request_id, None)
+            self._finished(req, now)
 
-    def _fork(self, parent: Sequence) -> list[tuple[int, int]]:
-        """The prompt is computed: make the request's other n - 1 samples, sharing its KV blocks."""
-        req = parent.request
-        children = [self._new_sequence(req, index, list(parent.token_ids)) for index in range(1, req.params.n)]
-        self.kv.split_reservation(parent, children)
-        copies = []
-        for child in children:
-            child.num_computed_tokens = parent.num_computed_tokens
-            if parent.matcher is not None:
-                child.matcher = self.structured.matcher(req)
-            pair = self.kv.fork(parent, child)
-            if pair:
-                copies.append(pair)
-        req.sequences.extend(children)
-        self.scheduler.add_forked(children)
-        req.forked = True
-        return copies
-
-    def _beam_step(self, req: Request, touched: dict) -> list[tuple[int, int]]:
-        """Once every running beam has its log-probabilities: the next beams, which take their
-        parents' tokens and KV blocks (returns the block copies); or, the search done, its results."""
-        beams = [s for s in req.sequences if not s.finished]
-        if not all(b.beam_ready for b in beams):
-            return []  # some are being recomputed after a preemption
-        logprobs = torch.stack([b.beam_logprobs for b in beams])
-        outputs, histories = [b.output_token_ids for b in beams], [b.beam_history for b in beams]
-        chosen = req.beams.step(logprobs, [b.beam_score for b in beams], outputs, histories)
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        for b in beams:
-            b.beam_logprobs = None
-        if req.beams.done:
-            self._finish_beams(req, beams, touched)
-            return []
-        new = [self._new_sequence(req, i, []) for i in range(len(beams), len(chosen))]
-        self.kv.split_reservation(beams[0], new)
-        beams += new
-        copies = self.kv.reassign(beams, [c.parent for c in chosen])
-        prompt = req.prompt_token_ids
-        for b, c in zip(beams, chosen):
-            b.token_ids = prompt + outputs[c.parent] + [c.token]
-            b.beam_history = histories[c.parent] + [c.logprob]
-            b.beam_score = c.cumulative_logprob
-        if new:
-            req.sequences.extend(new)
-            self.scheduler.add_forked(new)
-            req.forked = True
-        return copies
-
-    def _finish_beams(self, req: Request, beams: list[Sequence], touched: dict) -> None:
-        for b in beams:
-            b.finish_reason = "stop"
-            self.scheduler.finish(b)
-        req.forked = True
-        out = self._output(touched, req)
-        want_lp = req.params.logprobs is not None
-        for i, h in enumerate(req.beams.results()):
-            lps = [{t: lp} for t, lp in zip(h.token_ids, h.logprobs)] if want_lp else None
-            out.samples.append(SampleDelta(i, h.token_ids, lps, h.finish_reason, h.stop_reason,
-                                           cumulative_logprob=h.cumulative_logprob))
-        req.finished_time = time.monotonic()
+    def _finished(self, req: Request, now: float) -> None:
+        req.finished_time = now
         self.requests.pop(req.request_id, None)
 
     def _check_stop(self, seq: Sequence, token: int, sample: SampleDelta) -> None:
@@ -427,92 +369,9 @@ class EngineCore:
             self.scheduler.finish(seq)
 
 
-def _beam_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = logits.float()
-    if temperature > SAMPLING_EPS and temperature != 1.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, -1)
-
-
 def _bounded(name: str, value: int | None, limit: int) -> int:
     if value is None:
         return limit
     if not 1 <= value <= limit:
         raise ValueError(f"{name} must be in [1, {limit}] (the engine's build limit), got {value}")
     return value
-
-
-# -- the core's own process (or thread) --------------------------------------------------------
-def run_engine_core(conn: Connection) -> None:
-    """The core's busy loop: take what arrived, step while there is work, send every step's outputs.
-    Its pipe carries requests and aborts in, outputs (with the scheduler's stats) out; a core whose
-    executor lost a rank sends the EngineDeadError saying which, and stops."""
-    try:
-        engine_dir, core_args = conn.recv()
-        core = EngineCore(engine_dir, **core_args)
-    except BaseException as e:  # noqa: BLE001 - the frontend raises it
-        conn.send(("failed", _picklable(e)))
-        conn.close()
-        return
-    conn.send(("ready", core.info))
-    try:
-        while True:
-            if not core.has_unfinished_requests():
-                # Idle: wait for work, or for a rank of the engine to die.
-                if conn not in wait([conn, *core.executor.sentinels]):
-                    core.executor.check()
-                    continue
-                if not _handle(core, conn.recv()):
-                    return
-            while conn.poll():
-                if not _handle(core, conn.recv()):
-                    return
-            conn.send(_step(core) if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats()))
-    except EngineDeadError as e:
-        try:
-            conn.send(e)
-        except (EOFError, OSError):
-            pass
-    except (EOFError, OSError):  # the frontend is gone: so is the core
-        return
-    finally:
-        core.shutdown()
-        conn.close()
-
-
-def _handle(core: EngineCore, message) -> bool:
-    kind = message[0]
-    if kind == "add":
-        core.add_request(message[1])
-    elif kind == "abort":
-        core.abort(message[1], message[2])
-    elif kind == "shutdown":
-        return False
-    return True
-
-
-def _step(core: EngineCore) -> EngineCoreOutputs:
-    try:
-        return core.step()
-    except EngineDeadError:
-        raise
-    except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
-        ids = list(core.requests)
-        for rid in ids:
-            core.abort(rid)
-        return EngineCoreOutputs([], core.stats(), [(ids, f"{type(e).__name__}: {e}")])
-
-
-def _picklable(e: BaseException) -> BaseException:
-    try:
-        pickle.dumps(e)
-        return e
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(e).__name__}: {e}")
-
-
-if __name__ == "__main__":  # the core process: python -m kiln.runtime.core.engine_core FD
-    # Ctrl+C reaches the whole process group; the frontend handles it (a server drains first, then
-    # shuts the core down) and the core ends when its pipe does.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_engine_core(Pipe(int(sys.argv[1])))

@@ -1,11 +1,10 @@
 """A request and its sequences in the engine core (n > 1 samples fork from one prefilled prompt; a
-beam search's beams are its sequences)."""
+beam search's beams are its sequences: request_group.py's policies make them)."""
 import enum
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kiln.runtime.core.beam_search import BeamGroup
 from kiln.runtime.core.prompt_logits import PromptOutput, prompt_outputs
 from kiln.runtime.core.sample.rows import SeedGenerator
 from kiln.runtime.sampling_params import SamplingParams
@@ -34,15 +33,6 @@ class Sequence:
     reserved_blocks: int = 0  # guaranteed_no_evict: blocks promised but not yet taken
     finish_reason: str | None = None
     matcher: object = None  # guided decoding: its xgrammar GrammarMatcher (structured_output.py)
-    # Beam search: its running score, and its next-token log-probabilities once its last token is
-    # computed (the beams step together, when every one has them).
-    beam_score: float = 0.0
-    beam_history: list[float] = field(default_factory=list)  # its output tokens' log-probabilities
-    beam_logprobs: object = None
-
-    @property
-    def beam_ready(self) -> bool:
-        return self.beam_logprobs is not None and self.num_computed_tokens == self.num_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +76,7 @@ class Request:
     num_draft_tokens: int = 0  # speculative decoding: proposed, and accepted by the target
     num_accepted_tokens: int = 0
     grammar: Future | None = None  # guided decoding: its grammar, compiling or compiled (structured_output.py)
-    beams: BeamGroup | None = None  # beam search (beam_search.py)
+    group: object = None  # how its sequences are made and advance (request_group.py)
     # What it asked for at prompt positions (prompt logprobs, context logits), taken step by step.
     prompt_outputs: tuple[PromptOutput, ...] = field(init=False)
 

@@ -283,7 +283,7 @@ class SpecDecoder:
         for seq in running:
             seq.draft_token_ids = []
             req = seq.request
-            if req.forked and not seq.prefilling and req.beams is None:  # beams reorder: nothing to follow
+            if req.forked and not seq.prefilling and not req.params.use_beam_search:  # beams reorder: nothing to follow
                 k = min(self.num_speculative_tokens, req.max_tokens - seq.num_output_tokens - 1,
                         self.max_seq_len - seq.num_tokens)
                 if k > 0:

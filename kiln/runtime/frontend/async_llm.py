@@ -1,6 +1,6 @@
 """`AsyncLLM`: asyncio streaming over an engine core that runs in a process of its own.
 
-The core's busy loop (kiln/runtime/core/engine_core.py, run_engine_core) never waits for this side: requests and aborts go
+The core's busy loop (kiln/runtime/core/core_process.py, run_engine_core) never waits for this side: requests and aborts go
 to it through a pipe, and a reader thread here turns each step's token ids into text and
 `RequestOutput`s and hands them to the streams' event loops, while the core takes the next step.
 If the core dies, every stream and every later call fails with `EngineDeadError`.

@@ -2,7 +2,7 @@
 in a process (or a thread) of its own.
 
 `InprocClient` runs each call on the spot: `get_outputs()` is one engine step. `BackgroundClient`
-starts `run_engine_core` (kiln/runtime/core/engine_core.py), which steps whenever it has work, sends
+starts `run_engine_core` (kiln/runtime/core/core_process.py), which steps whenever it has work, sends
 each step's outputs at once and takes the next step while the frontend detokenizes and streams the
 last one (vLLM v1's engine core process). Its pipe carries requests and aborts one way, outputs
 (with the scheduler's stats) the other. A core process that dies closes its end of the pipe: the frontend's next read raises
@@ -15,7 +15,8 @@ import subprocess
 import sys
 import threading
 
-from kiln.runtime.core.engine_core import EngineCore, run_engine_core
+from kiln.runtime.core.core_process import run_engine_core
+from kiln.runtime.core.engine_core import EngineCore
 from kiln.runtime.messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError, Pipe
 from kiln.utils import child_env
 
@@ -65,7 +66,7 @@ class BackgroundClient:
             # A fresh interpreter running this module (not multiprocessing's spawn, which re-imports
             # the caller's __main__ and so needs an `if __name__ == "__main__"` guard in every script).
             env = child_env()
-            self.worker = subprocess.Popen([sys.executable, "-m", "kiln.runtime.core.engine_core", str(theirs.fileno())],
+            self.worker = subprocess.Popen([sys.executable, "-m", "kiln.runtime.core.core_process", str(theirs.fileno())],
                                            pass_fds=[theirs.fileno()], env=env)
             theirs.close()  # the core's end lives in its process only: its death ends the pipe
         else:

@@ -1,0 +1,63 @@
+"""The model's op set (kiln/models/ops/): each op group's kernel family chosen once at build from
+the plugin settings and recorded in the engine, and the attention module each layer gets."""
+import json
+
+import pytest
+
+from kiln.config import ConfigError
+from kiln.models.attention import FusedAttention, ProjectionNorm, SplitAttention, make_attention
+from kiln.models.ops.base import AttentionLayer
+from kiln.models.ops.op_set import OpSet, choose
+from kiln.models.parallel import TensorParallel
+from kiln.plugins import cpu
+
+CPP = {"attention": "cpp", "gemm": "cpp", "norm": "cpp", "rotary": "cpp", "activation": "cpp"}
+
+
+def test_plugin_settings_choose_the_families():
+    assert choose({"gpt_attention_plugin": "cpp", "gemm_plugin": "cpp", "rmsnorm_plugin": "cpp",
+                   "rope_plugin": "cpp", "swiglu_plugin": "cpp"}) == CPP
+    assert choose({"gpt_attention_plugin": "python", "gemm_plugin": "python", "rmsnorm_plugin": None,
+                   "rope_plugin": "inline", "swiglu_plugin": "python"}) == {
+        "attention": "python", "gemm": "inline", "norm": "inline", "rotary": "inline", "activation": "python"}
+
+
+def test_an_unknown_family_or_group_is_refused():
+    with pytest.raises(ConfigError, match="op_set .* is not valid; expected a family among inline, python, cpp"):
+        OpSet({**CPP, "attention": "cuda"})
+    with pytest.raises(ConfigError, match="for each of attention, gemm, norm, rotary, activation"):
+        OpSet({"attention": "cpp"})
+
+
+def test_an_op_the_family_lacks_is_the_references():
+    ops = OpSet(CPP)
+    assert ops.act_and_mul("gelu_pytorch_tanh") is cpu.gelu_tanh_and_mul  # no plugin has GeGLU
+    assert ops.kv_cache_write is cpu.kv_cache_write  # beside the C++ attention, one index_put_ inline
+    assert ops.packed_gemm and not OpSet(dict.fromkeys(CPP, "inline")).packed_gemm
+
+
+@pytest.mark.parametrize("layer, fused", [
+    (dict(), True),
+    (dict(qk_norm="head", window=16, softcap=50.0), True),  # Gemma 3 / Gemma 2 layers: still one call
+    (dict(rotary=False), False),  # SmolLM3's NoPE layers
+    (dict(quantized_kv=True), False),  # an 8-bit pool keeps the separate write and its scale
+    (dict(qk_norm="projection"), False),  # OLMo 2: the norm spans the rank's heads, all-reduced
+])
+def test_each_layer_gets_one_call_where_the_cpp_attention_covers_it(layer, fused):
+    from kiln.config import PretrainedConfig
+
+    spec = AttentionLayer(0, 4, 2, 16, 0.25, 1e-6, **layer)
+    config = PretrainedConfig("LlamaForCausalLM", "float32", 64, 64, 1, 4, 2, 16, 96, 128)
+    module = make_attention(spec, OpSet(CPP), TensorParallel(config, 0), 4, 2)
+    assert isinstance(module, FusedAttention if fused else SplitAttention)
+    if layer.get("qk_norm") == "projection":
+        assert isinstance(module.qk_norm, ProjectionNorm)
+    # the reference family has no fused call: every layer splits
+    assert isinstance(make_attention(spec, OpSet(dict.fromkeys(CPP, "inline")), TensorParallel(config, 0), 4, 2),
+                      SplitAttention)
+
+
+def test_the_engine_records_its_op_set(engine):
+    config = json.loads((engine("llama") / "config.json").read_text())["build_config"]
+    assert config["op_set"] == choose(config["plugin_config"])
+    assert config["op_set"]["attention"] == "inline"  # eager: the builder's choice, attention traced inline

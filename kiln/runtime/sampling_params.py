@@ -1,5 +1,6 @@
-"""Per-request sampling parameters (vLLM's names, defaults and semantics), and the guide that
-constrains a request's output (TensorRT-LLM's GuidedDecodingParams)."""
+"""Per-request sampling parameters (vLLM's names, defaults and semantics), the guide that
+constrains a request's output (TensorRT-LLM's GuidedDecodingParams), and the error a request the
+engine refuses raises."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ from typing import Any
 
 # Temperatures below this are treated as greedy (as vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses: a parameter out of range here, or a prompt that does not fit
+    (the frontend's input processor). `parameter` names the request field at fault in vLLM's names
+    (OpenAI's, where OpenAI has the field), or is None where no one field is, as vLLM's
+    VLLMValidationError does: `kiln serve` answers a 400 naming it."""
+
+    def __init__(self, message: str, parameter: str | None = None):
+        super().__init__(message)
+        self.parameter = parameter
 
 
 def _is_int(x: Any) -> bool:
@@ -41,7 +53,8 @@ class GuidedDecodingParams:
     default: a small or unsure model allowed any whitespace pads its JSON with newlines until
     max_tokens (benchmarks/guided.py measures both). A request whose output reaches max_tokens
     before the grammar completes finishes with ``length``: its output is a prefix, not a valid one.
-    Invalid guides raise ``ValueError`` naming the field and the parser's message (``check``)."""
+    Invalid guides raise ``InvalidRequestError`` (a ``ValueError``) naming the field and the parser's
+    message (``check``)."""
 
     json: str | dict | type | None = None
     regex: str | None = None
@@ -56,8 +69,8 @@ class GuidedDecodingParams:
         if isinstance(self.json, type):  # a pydantic model class
             schema = getattr(self.json, "model_json_schema", None)
             if schema is None:
-                raise ValueError(f"guided_decoding.json must be a JSON schema (str or dict) or a pydantic model "
-                                 f"class, got the class {self.json.__name__}")
+                raise _bad_guide(f"guided_decoding.json must be a JSON schema (str or dict) or a pydantic "
+                                 f"model class, got the class {self.json.__name__}")
             self.json = schema()
         if isinstance(self.json, dict):
             self.json = jsonlib.dumps(self.json)
@@ -67,18 +80,18 @@ class GuidedDecodingParams:
             self.choice = list(self.choice)
         set_ = [k for k in GUIDE_KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
-            raise ValueError(f"guided_decoding must set exactly one of {', '.join(GUIDE_KINDS)}; got "
+            raise _bad_guide(f"guided_decoding must set exactly one of {', '.join(GUIDE_KINDS)}; got "
                              f"{', '.join(set_) if set_ else 'none'}")
         for name in ("json", "regex", "grammar", "structural_tag"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v.strip()):
-                raise ValueError(f"guided_decoding.{name} must be a non-empty string, got {v!r}")
+                raise _bad_guide(f"guided_decoding.{name} must be a non-empty string, got {v!r}")
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError(f"guided_decoding.choice must be a non-empty list of non-empty strings, "
+            raise _bad_guide(f"guided_decoding.choice must be a non-empty list of non-empty strings, "
                              f"got {self.choice!r}")
         if not isinstance(self.json_object, bool) or not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError("guided_decoding.json_object and disable_any_whitespace must be bools")
+            raise _bad_guide("guided_decoding.json_object and disable_any_whitespace must be bools")
 
     @property
     def kind(self) -> str:
@@ -90,7 +103,8 @@ class GuidedDecodingParams:
         return self.kind, getattr(self, self.kind), self.disable_any_whitespace
 
     def to_grammar(self):
-        """The guide as an ``xgrammar.Grammar`` (independent of the tokenizer; ValueError if invalid)."""
+        """The guide as an ``xgrammar.Grammar`` (independent of the tokenizer; InvalidRequestError if
+        invalid)."""
         import xgrammar as xgr
 
         kind, value = self.kind, getattr(self, self.kind)
@@ -108,13 +122,18 @@ class GuidedDecodingParams:
                 return xgr.Grammar.from_ebnf(value)
             return xgr.Grammar.from_structural_tag(value)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"guided_decoding.{kind} is not valid: {_parser_message(e)}") from None
+            raise _bad_guide(f"guided_decoding.{kind} is not valid: {_parser_message(e)}") from None
 
     def check(self) -> None:
-        """Raises ValueError naming the field and the parser's message if the guide does not parse."""
+        """Raises InvalidRequestError naming the field and the parser's message if the guide does not
+        parse."""
         if not self._checked:
             self.to_grammar()
             self._checked = True
+
+
+def _bad_guide(message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, "guided_decoding")
 
 
 def _parser_message(e: Exception) -> str:
@@ -141,7 +160,8 @@ class SamplingParams:
     len ** length_penalty`` with Hugging Face's ``early_stopping`` (True, False or ``"never"``); the
     beams are scored on ``log_softmax(logits / temperature)`` (0 and 1: the model's own), and the
     outputs arrive once the search is done (``logprobs=0``: with each token's log-probability).
-    Invalid values raise ``ValueError`` naming the field, the value and what was expected.
+    Invalid values raise ``InvalidRequestError`` (a ``ValueError``) naming the field, the value and
+    what was expected.
     """
 
     n: int = 1
@@ -182,33 +202,33 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         else:
-            raise ValueError(f"stop must be a str, a list of str or None, got {self.stop!r}")
+            raise InvalidRequestError(f"stop must be a str, a list of str or None, got {self.stop!r}", "stop")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
         else:
-            raise ValueError(
-                f"stop_token_ids must be a list of int or None, got {self.stop_token_ids!r}")
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of int or None, got {self.stop_token_ids!r}", "stop_token_ids")
         if self.bad_words_ids is None:
             self.bad_words_ids = []
         elif isinstance(self.bad_words_ids, (list, tuple)) and all(isinstance(w, (list, tuple))
                                                                      for w in self.bad_words_ids):
             self.bad_words_ids = [list(w) for w in self.bad_words_ids]
         else:
-            raise ValueError(f"bad_words_ids must be a list of token id lists or None, "
-                             f"got {self.bad_words_ids!r}")
+            raise InvalidRequestError(f"bad_words_ids must be a list of token id lists or None, "
+                                      f"got {self.bad_words_ids!r}", "bad_words_ids")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "length_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
+                raise InvalidRequestError(f"{name} must be a finite number, got {v!r}", name)
             setattr(self, name, float(v))
         self._validate()
 
     def _validate(self) -> None:
-        def bad(field: str, expected: str) -> ValueError:
-            return ValueError(f"{field} must be {expected}, got {getattr(self, field)!r}")
+        def bad(field: str, expected: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{field} must be {expected}, got {getattr(self, field)!r}", field)
 
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", ">= 1")
@@ -227,17 +247,18 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
-                             f"got {self.min_tokens!r}")
+            raise InvalidRequestError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                                      f"got {self.min_tokens!r}", "min_tokens")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+                raise InvalidRequestError(f"stop must contain only non-empty strings, got {s!r}", "stop")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must contain only ints >= 0, got {t!r}")
+                raise InvalidRequestError(f"stop_token_ids must contain only ints >= 0, got {t!r}", "stop_token_ids")
         for w in self.bad_words_ids:
             if not w or not all(_is_int(t) and t >= 0 for t in w):
-                raise ValueError(f"bad_words_ids must contain non-empty lists of ints >= 0, got {w!r}")
+                raise InvalidRequestError(f"bad_words_ids must contain non-empty lists of ints >= 0, got {w!r}",
+                                          "bad_words_ids")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
         for name in ("logprobs", "prompt_logprobs"):
@@ -259,16 +280,19 @@ class SamplingParams:
 
     def _validate_beam_search(self) -> None:
         if not isinstance(self.use_beam_search, bool):
-            raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
+            raise InvalidRequestError(f"use_beam_search must be a bool, got {self.use_beam_search!r}",
+                                      "use_beam_search")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
-            raise ValueError(f"best_of must be an int >= n ({self.n}) or None, got {self.best_of!r}")
+            raise InvalidRequestError(f"best_of must be an int >= n ({self.n}) or None, got {self.best_of!r}",
+                                      "best_of")
         if not self.use_beam_search:
             if self.best_of not in (None, self.n):
-                raise ValueError(f"best_of ({self.best_of}) > n ({self.n}) needs use_beam_search: sampling "
-                                 f"best_of candidates to return n is not supported")
+                raise InvalidRequestError(f"best_of ({self.best_of}) > n ({self.n}) needs use_beam_search: "
+                                          f"sampling best_of candidates to return n is not supported", "best_of")
             return
         if self.early_stopping not in (True, False, "never"):
-            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+            raise InvalidRequestError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
+                                      "early_stopping")
         # What beam search does not combine with, rather than silently ignored.
         unsupported = {"top_p": self.top_p != 1.0, "top_k": self.top_k not in (-1, 0), "min_p": self.min_p != 0,
                        "presence_penalty": self.presence_penalty != 0, "frequency_penalty": self.frequency_penalty != 0,
@@ -277,8 +301,9 @@ class SamplingParams:
                        "return_generation_logits": self.return_generation_logits}
         used = [name for name, set_ in unsupported.items() if set_]
         if used:
-            raise ValueError(f"use_beam_search does not support {', '.join(used)} (beams are scored on the "
-                             f"model's log-probabilities, optionally with a temperature and min_tokens)")
+            raise InvalidRequestError(f"use_beam_search does not support {', '.join(used)} (beams are scored on "
+                                      f"the model's log-probabilities, optionally with a temperature and min_tokens)",
+                                      "use_beam_search")
 
     @property
     def beam_width(self) -> int:

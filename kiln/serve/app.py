@@ -1,5 +1,10 @@
-"""The FastAPI app: OpenAI routes, tokenizer routes, health/version/metrics, and one guard
-middleware (API key, body size limit, draining, in-flight count).
+"""The FastAPI app: OpenAI routes, tokenizer routes, health/version/metrics, one guard middleware
+(API key, body size limit, draining, in-flight count), and the exception handlers that turn errors
+into OpenAI's error schema.
+
+An OpenAI route takes its request down one way: preprocess.py (the request to prompts and
+SamplingParams), generation.py (the engine requests, their outputs), responses.py (the response or
+its SSE chunks); none of those imports another.
 
 The engine loads in a background thread once the app starts, so that the port answers at once:
 `/health` is 503 until the engine is loaded, 200 while it serves, and 503 again while draining.
@@ -12,22 +17,28 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import psutil
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from kiln.serve.chat import create_chat_completion
-from kiln.serve.completions import create_completion
+from kiln.runtime.sampling_params import InvalidRequestError
+from kiln.serve.generation import ClientDisconnected, final_outputs, start, until_disconnected
 from kiln.serve.metrics import ServerMetrics
+from kiln.serve.preprocess import Preprocessor
 from kiln.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 LoadLoraAdapterRequest, ModelCard, ModelList, TokenizeRequest,
-                                 UnloadLoraAdapterRequest, error_body)
-from kiln.serve.serving import ClientDisconnected, Serving
+                                 LoadLoraAdapterRequest, TokenizeRequest, UnloadLoraAdapterRequest, error_body,
+                                 now, random_id)
+from kiln.serve.responses import ResponseHead, Responses
+from kiln.serve.served_models import ServedModels
 from kiln.version import __version__
+
+if TYPE_CHECKING:  # the runtime imports torch: loaded with the engine (ServerState.load), after the port answers
+    from kiln.runtime.frontend.async_llm import AsyncLLM
 
 log = logging.getLogger("kiln.serve")
 
@@ -54,6 +65,15 @@ class ServeConfig:
         self.served_model_names = list(self.served_model_names) or [str(self.engine_dir)]
 
 
+@dataclass
+class Serving:
+    """What the routes serve with, once the engine is loaded."""
+    llm: "AsyncLLM"
+    models: ServedModels
+    preprocessor: Preprocessor
+    responses: Responses
+
+
 class ServerState:
     def __init__(self, config: ServeConfig):
         self.config = config
@@ -78,10 +98,11 @@ class ServerState:
             llm = AsyncLLM(c.engine_dir, on_dead=self._engine_died, **c.engine_args)
             # the server's own: tokenizers are not shared across threads
             tokenizer = None if c.engine_args.get("skip_tokenizer_init") else load_tokenizer(c.engine_dir)
-            self.serving = Serving(llm, tokenizer, c.served_model_names, self.metrics, c.chat_template,
-                                   c.tool_call_parser, c.enable_auto_tool_choice)
+            models = ServedModels(c.served_model_names, str(c.engine_dir), llm.input_processor)
             for name, path in c.lora_modules.items():
-                self.serving.add_lora(name, path)
+                models.add_lora(name, path)
+            self.serving = Serving(llm, models, Preprocessor(models, tokenizer, c.chat_template, c.tool_call_parser,
+                                                             c.enable_auto_tool_choice), Responses(tokenizer))
             log.info("engine %s loaded in %.1fs (ready %.1fs after the process started): serving it as %s",
                      c.engine_dir, time.monotonic() - start, time.time() - psutil.Process().create_time(),
                      ", ".join(c.served_model_names))
@@ -210,6 +231,15 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
     async def api_error(request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(request, e: InvalidRequestError):
+        """The engine refused the request (its input processor, or SamplingParams): the one place such
+        a refusal becomes a 400, naming the field the engine named. A chat's prompt is its messages."""
+        param = e.parameter
+        if param == "prompt" and request.url.path == "/v1/chat/completions":
+            param = "messages"
+        return JSONResponse(error_body(str(e), param=param), status_code=400)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e: RequestValidationError):
         errors = e.errors()
@@ -260,52 +290,66 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        s = serving()
-        return ModelList(data=[ModelCard(id=name, root=str(config.engine_dir), max_model_len=s.max_model_len,
-                                         **s.model_metadata) for name in s.model_names] + [
-            ModelCard(id=name, root=lora.lora_path, parent=s.model_names[0], max_model_len=s.max_model_len,
-                      **s.model_metadata) for name, lora in s.loras.items()])
+        return serving().models.model_list()
 
     if config.allow_runtime_lora_updating:  # vLLM's endpoints, off unless asked for
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(req: LoadLoraAdapterRequest):
-            await asyncio.to_thread(serving().add_lora, req.lora_name, req.lora_path)
+            await asyncio.to_thread(serving().models.add_lora, req.lora_name, req.lora_path)
             return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(req: UnloadLoraAdapterRequest):
-            serving().remove_lora(req.lora_name)
+            serving().models.remove_lora(req.lora_name)
             return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
+    # Each OpenAI route: its request to engine inputs, the engine requests started (the engine's refusal
+    # is an error status before any byte is sent), then the response, or its chunks as they come.
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        return await create_completion(serving(), req, request)
+        s = serving()
+        inputs = s.preprocessor.completion(req)
+        head = ResponseHead(random_id("cmpl"), now(), inputs.model)
+        outputs = await until_disconnected(request, start(s.llm, state.metrics, inputs.prompts, inputs.params,
+                                                          head.id, inputs.lora))
+        if req.stream:
+            return StreamingResponse(s.responses.completion_chunks(req, head, inputs.params, outputs),
+                                     media_type="text/event-stream")
+        finals = await until_disconnected(request, final_outputs(outputs))
+        return JSONResponse(s.responses.completion(req, head, finals).model_dump())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await create_chat_completion(serving(), req, request)
+        s = serving()
+        inputs = s.preprocessor.chat(req)
+        head = ResponseHead(random_id("chatcmpl"), now(), inputs.model)
+        outputs = await until_disconnected(request, start(s.llm, state.metrics, inputs.prompts, inputs.params,
+                                                          head.id, inputs.lora))
+        if req.stream:
+            return StreamingResponse(s.responses.chat_chunks(req, head, inputs.params, inputs.tool_parser, outputs),
+                                     media_type="text/event-stream")
+        (final,) = await until_disconnected(request, final_outputs(outputs))
+        return JSONResponse(s.responses.chat(req, head, inputs.tool_parser, final).model_dump())
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         s = serving()
-        s.model_name(req.model)
+        s.models.resolve(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            ids = s.chat_prompt(req.messages, req.add_generation_prompt)["prompt_token_ids"]
+            ids = s.preprocessor.chat_prompt(req.messages, req.add_generation_prompt)["prompt_token_ids"]
         else:
-            s.need_tokenizer("/tokenize needs a tokenizer", "prompt")
-            ids = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
+            s.preprocessor.need_tokenizer("/tokenize needs a tokenizer", "prompt")
+            ids = s.preprocessor.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": s.models.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         s = serving()
-        s.model_name(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < s.vocab_size]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {s.vocab_size})", "tokens")
-        s.need_tokenizer("/detokenize needs a tokenizer", "tokens")
-        return {"prompt": s.tokenizer.decode(req.tokens)}
+        s.models.resolve(req.model)
+        s.llm.input_processor.check_token_ids(req.tokens, "tokens")
+        s.preprocessor.need_tokenizer("/detokenize needs a tokenizer", "tokens")
+        return {"prompt": s.preprocessor.tokenizer.decode(req.tokens)}
 
     return app

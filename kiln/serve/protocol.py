@@ -1,5 +1,5 @@
-"""OpenAI's request/response schema (the subset Kiln serves, plus vLLM's sampling extensions) and
-OpenAI's error format: `{"error": {"message", "type", "param", "code"}}`."""
+"""OpenAI's request/response schema (the subset Kiln serves, plus vLLM's sampling extensions), its
+streamed chunks, and OpenAI's error format: `{"error": {"message", "type", "param", "code"}}`."""
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -24,9 +24,20 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()
 
 
 def random_id(prefix: str) -> str:
@@ -183,7 +194,7 @@ class UnloadLoraAdapterRequest(OpenAIModel):
 
 
 # ------------------------------------------------------------------------------------ responses
-# (streamed chunks are these choices' streaming forms, written as plain dicts: one per token)
+# A response carries every field, null where it has no value, as OpenAI's do.
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
@@ -279,3 +290,62 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: str = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------------------------------------- streamed chunks
+# A chunk carries the fields the server set, null included (serialized with exclude_unset, as vLLM
+# serializes its chat chunks): `usage` is null on every chunk but the last with
+# stream_options.include_usage and absent without it, and a delta carries only what is new. The
+# fields every chunk carries have no default, so that none is left out by mistake.
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    token_ids: list[int] | None = None  # with return_token_ids (or no tokenizer)
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A call's first delta carries its id, type and name; the next ones its arguments' new text."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None

@@ -1,19 +1,27 @@
 """The scheduler (kiln/runtime/core/scheduler.py) on its own, over a real KV cache manager with small
 pools and real requests, each step's results applied as the engine core applies them: the token
-budget shared by decodes (first) and prefill chunks, chunked prefill on and off, batch slots (every
+budget shared by running sequences (first) and prompts, chunked prefill on and off, batch slots (every
 sample of an unforked request, pipeline micro-batches, steps in flight), both policies
 (max_utilization preempting the latest admitted and recomputing it; guaranteed_no_evict reserving
 at admission and never preempting), blocks kept free for a fork, sliding windows, LongRoPE restarts,
-speculative drafts, prefix-cache counters, and LoRA adapter slots."""
+speculative drafts, prefix-cache counters, and LoRA adapter slots (real PEFT adapters read from disk;
+the executor that would load them only records set_lora)."""
 import itertools
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from kiln.convert.hf_config import pretrained_config_from_hf, read_hf_config
+from kiln.lora.adapter import Adapter
+from kiln.lora.slots import LoraSlots
 from kiln.runtime.core.block_pool import OutOfBlocks
 from kiln.runtime.core.kv_cache_manager import KVCacheManager
 from kiln.runtime.core.request import Request, Sequence, Status
 from kiln.runtime.core.scheduler import Scheduler
+from kiln.runtime.lora_request import LoRARequest
 from kiln.runtime.sampling_params import SamplingParams
+from test_lora import save_adapter
 
 TPB = 4
 TOKEN = 7  # what every sample draws
@@ -100,9 +108,10 @@ def last_step(steps, rid: str) -> int:
 
 
 # --------------------------------------------------------------------------------- the token budget
-def test_decodes_first_then_prefill_chunks_share_the_budget():
-    """Each step's max_num_tokens is spent on running sequences first (decodes, then the rest of a
-    chunked prompt), then on prompts from the queue; a prompt longer than what is left is chunked."""
+def test_running_sequences_first_then_prompts_share_the_budget():
+    """Each step's max_num_tokens is spent on running sequences first, in admission order (a decode,
+    the rest of a chunked prompt), then on prompts from the queue; a prompt longer than what is left
+    is chunked, and a prompt finds nothing when the running ones took it all."""
     sched = scheduler(max_num_tokens=8)
     add(sched, "a", 6)
     add(sched, "b", 10)
@@ -316,3 +325,96 @@ def test_finish_removes_a_sequence_wherever_it_is():
     sched.finish(b)
     assert a.finished and b.finished and not sched.running and not sched.waiting
     assert sched.kv.pool.num_free == 16 and a.block_table == []
+
+
+# --------------------------------------------------------------------------------- LoRA slots
+class RecordingExecutor:
+    """What LoraSlots asks of an executor: the engine's config, and set_lora (recorded here)."""
+
+    def __init__(self, pretrained_config):
+        self.config = SimpleNamespace(pretrained_config=pretrained_config)
+        self.loaded: list[tuple[int, Adapter]] = []
+
+    def set_lora(self, slot: int, adapter: Adapter) -> None:
+        self.loaded.append((slot, adapter))
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_model, tmp_path_factory) -> tuple[object, list[LoRARequest]]:
+    """The tiny Llama's config and three PEFT adapters of it on disk, as LoRARequests 1, 2, 3."""
+    base = hf_model("llama")
+    root = tmp_path_factory.mktemp("scheduler_adapters")
+    loras = [LoRARequest(name, i, str(save_adapter(base, root / name, 2, 4, ["q_proj", "v_proj"], seed=i)))
+             for i, name in enumerate(["one", "two", "three"], 1)]
+    return pretrained_config_from_hf(read_hf_config(base)), loras
+
+
+def lora_scheduler(adapters, max_loras: int, max_cpu_loras: int, **kw) -> tuple[Scheduler, RecordingExecutor]:
+    executor = RecordingExecutor(adapters[0])
+    return scheduler(loras=LoraSlots(executor, max_loras, max_cpu_loras), **kw), executor
+
+
+def loaded(executor: RecordingExecutor) -> list[tuple[int, str]]:
+    return [(slot, adapter.path.name) for slot, adapter in executor.loaded]
+
+
+def test_a_sequence_waits_for_a_slot_for_its_adapter(adapters):
+    """With one slot: a request whose adapter is not in it waits (holding no blocks), and the ones
+    behind it too, until no running sequence holds the slot; the slot is then loaded with its adapter.
+    A read adapter is kept in host memory (max_cpu_loras) and not read again."""
+    one, two, _ = adapters[1]
+    sched, executor = lora_scheduler(adapters, max_loras=1, max_cpu_loras=2)
+    a = add(sched, "a", 4, lora_request=one)
+    b = add(sched, "b", 4, lora_request=two)
+    add(sched, "c", 4, lora_request=one)
+    add(sched, "d", 4)
+    assert step(sched) == [("a", 0, 4)]
+    assert loaded(executor) == [(0, "one")] and a.lora_slot == 0 and b.lora_slot == -1
+    assert b.sequences[0].block_table == [] and sched.kv.pool.num_free == 16 - 1
+    assert sched.loras.counts() == (1, 1, 1)
+    steps = run(sched)
+    assert [s for s in steps if s[0][0] != "a"] == [[("b", 0, 4)], [("b", 0, 1)], [("b", 0, 1)], [("b", 0, 1)],
+                                                    [("c", 0, 4), ("d", 0, 4)]] + [[("c", 0, 1), ("d", 0, 1)]] * 3
+    assert loaded(executor) == [(0, "one"), (0, "two"), (0, "one")]
+    assert executor.loaded[2][1] is executor.loaded[0][1]  # from host memory
+    assert sched.loras.counts() == (1, 0, 1)
+
+
+def test_sequences_of_one_adapter_share_its_slot(adapters):
+    """Sequences of one adapter, forked samples included, hold its slot together; a preempted one
+    gives its hold back, and takes the slot again, its adapter still there, when readmitted."""
+    one, two, _ = adapters[1]
+    sched, executor = lora_scheduler(adapters, max_loras=2, max_cpu_loras=2, num_blocks=3)
+    a = add(sched, "a", 4, lora_request=one, n=2)
+    b = add(sched, "b", 4, lora_request=two)
+    assert step(sched) == [("a", 0, 4), ("b", 0, 4)]  # a forks: both samples hold slot 0
+    assert loaded(executor) == [(0, "one"), (1, "two")] and (a.lora_slot, b.lora_slot) == (0, 1)
+    assert sched.loras.users == [2, 1] and sched.loras.counts() == (2, 2, 2)
+    out = sched.schedule()  # every sequence needs a second block: 3 blocks for 3 sequences
+    assert out.preempted == [a.sequences[1], b.sequences[0]] and sched.loras.users == [1, 0]
+    assert sched.loras.counts() == (2, 1, 2)
+    advance(sched, out)
+    run(sched)
+    assert loaded(executor) == [(0, "one"), (1, "two")]  # nothing reloaded
+    assert sched.loras.users == [0, 0] and all(s.finished for s in a.sequences + b.sequences)
+
+
+def test_an_idle_slot_is_reused_least_recently_used_first(adapters):
+    """Slots no sequence holds are refilled in the order they fell idle; with max_cpu_loras = 1 an
+    adapter evicted from host memory is read from its dir again."""
+    one, two, three = adapters[1]
+    sched, executor = lora_scheduler(adapters, max_loras=2, max_cpu_loras=1)
+    add(sched, "a", 4, max_tokens=1, lora_request=one)
+    add(sched, "b", 4, max_tokens=2, lora_request=two)
+    assert step(sched) == [("a", 0, 4), ("b", 0, 4)]  # a is done: slot 0 idle
+    assert step(sched) == [("b", 0, 1)]  # b is done: slot 1 idle after it
+    assert list(sched.loras.idle) == [0, 1]
+    add(sched, "c", 4, lora_request=three)
+    assert step(sched) == [("c", 0, 4)]
+    add(sched, "d", 4, lora_request=one)
+    assert step(sched) == [("c", 0, 1), ("d", 0, 4)]
+    assert loaded(executor) == [(0, "one"), (1, "two"), (0, "three"), (1, "one")]
+    assert sched.loras.slot_of == {3: 0, 1: 1} and list(sched.loras.adapters) == [1]
+    first, again = executor.loaded[0][1], executor.loaded[3][1]
+    assert again is not first and again.weights.keys() == first.weights.keys()
+    assert all(torch.equal(again.weights[k][1], first.weights[k][1]) for k in first.weights)

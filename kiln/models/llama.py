@@ -1,7 +1,7 @@
 """The decoder of every dense family (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm; Granite's
 scalars, OLMo 2's post-norms, SmolLM3's NoPE layers, Phi-3, Gemma 2/3's sandwich norms, GeGLU and soft caps;
 sliding windows per layer) and of the mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: kiln/models/moe.py)
-on kiln plugins.
+on an op set (kiln/models/ops/).
 
 One rank's model: it holds the layers of its pipeline stage and runs one engine step (DESIGN.md,
 "The engine format") over a flat, unpadded token batch that mixes prefill chunks and decode tokens.

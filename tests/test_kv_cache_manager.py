@@ -208,6 +208,7 @@ def test_blocks_behind_the_window_go_back():
     seq.token_ids.append(tokens[40])
     assert kv.allocate_slots(seq, 1) and len(seq.block_table) == 11
     assert seq.block_table[:8] == [-1] * 8 and seq.block_table[8:] == [8, 9, 10]
+    assert kv.block_tables[seq.row, :11].tolist() == seq.block_table  # the engine's table row in step
     assert kv.pool.num_free == 16 - 3 and [b for b in range(16) if kv.pool.ref_counts[b]] == [8, 9, 10]
     again = sequence(tokens[:9])
     assert kv.take_cached(again) == 8 and again.block_table == [0, 1]  # released, not yet reused

@@ -88,6 +88,7 @@ class KVCacheManager:
             start -= 1
         self.pool.release(table[start:end])
         table[start:end] = [-1] * (end - start)
+        self.block_tables[seq.row, start:end] = -1
 
     # -- the prefix cache ---------------------------------------------------------------------
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:

@@ -14,7 +14,7 @@ A sequence in a step still in flight (pipeline parallel: the engine core keeps u
 in flight) is neither scheduled nor preempted until that step's tokens are back.
 """
 from collections import deque
-from collections.abc import Container
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kiln.runtime.core.kv_cache_manager import KVCacheManager
@@ -61,13 +61,17 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.extend(request.sequences)
 
-    def schedule(self, max_seqs: int | None = None, in_flight: Container[Sequence] = ()) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None, in_flight: Collection[Sequence] = ()) -> SchedulerOutput:
         """max_seqs: fewer sequences than max_batch_size in this step (a pipeline's micro-batch);
         in_flight: sequences of steps not yet collected, left alone."""
         out = SchedulerOutput()
         budget = self.max_num_tokens
         limit = self.max_batch_size if max_seqs is None else min(max_seqs, self.max_batch_size)
-        held = 0  # blocks kept free for the forks of sequences scheduled earlier in this step
+        # Blocks kept free for forks to come: of sequences scheduled earlier in this step, and of
+        # unforked ones whose step is in flight (pipeline parallel: it may end their prompt, and
+        # their fork copies into these blocks when it is collected).
+        held = sum(s.request.params.num_sequences - 1 for s in in_flight
+                   if not s.request.forked and not s.reserved_blocks and not s.finished)
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < limit:
             seq = self.running[i]

@@ -61,3 +61,31 @@ def test_the_engine_records_its_op_set(engine):
     config = json.loads((engine("llama") / "config.json").read_text())["build_config"]
     assert config["op_set"] == choose(config["plugin_config"])
     assert config["op_set"]["attention"] == "inline"  # eager: the builder's choice, attention traced inline
+
+
+def test_inputs_embeds_and_hidden_states_are_inert_until_asked(checkpoint):
+    """Embeddings given whole stand for the lookup (images, later), and the hidden states a draft
+    model asks for come back beside the logits (EAGLE, later); an engine asks for neither."""
+    import torch
+
+    from kiln.build.export import example_inputs
+    from kiln.build.weights import load_rank_weights
+    from kiln.config import BuildConfig, PretrainedConfig
+    from kiln.models.llama import LlamaForCausalLM
+
+    ckpt = checkpoint("llama")
+    config = PretrainedConfig.load(ckpt)
+    weights = load_rank_weights(ckpt, config, 0)
+    inputs = example_inputs(config, BuildConfig(max_batch_size=4, max_input_len=16, max_seq_len=64))
+    reference = OpSet(dict.fromkeys(CPP, "inline"))
+    with torch.no_grad():
+        model = LlamaForCausalLM(config, weights, 0, reference)
+        logits = model(**{k: v.clone() for k, v in inputs.items()})
+        embeds = torch.nn.functional.embedding(inputs["input_ids"], weights["transformer.vocab_embedding.weight"])
+        assert torch.equal(model(**{k: v.clone() for k, v in inputs.items()}, inputs_embeds=embeds), logits)
+        layers = (0, config.num_hidden_layers - 1)
+        drafted = LlamaForCausalLM(config, weights, 0, reference, hidden_state_layers=layers)
+        out, hidden = drafted(**{k: v.clone() for k, v in inputs.items()})
+    assert torch.equal(out, logits)
+    assert {k: v.shape for k, v in hidden.items()} == {
+        f"layers.{i}": (inputs["input_ids"].shape[0], config.hidden_size) for i in layers}

@@ -122,8 +122,8 @@ class BeamSearch(RequestGroup):
         self.beams: dict[Sequence, Beam] = {}
         self.drawn = False
 
-    def draw(self, seq: Sequence, logits_row: torch.Tensor) -> list[Sequence]:
-        self.beams.setdefault(seq, Beam()).logprobs = _beam_logprobs(logits_row, self.request.params.temperature)
+    def draw(self, seq: Sequence, logits: torch.Tensor, row: int) -> list[Sequence]:
+        self.beams.setdefault(seq, Beam()).logprobs = _beam_logprobs(logits[row], self.request.params.temperature)
         self.drawn = True
         return []
 

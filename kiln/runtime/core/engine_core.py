@@ -304,7 +304,7 @@ class EngineCore:
             group = seq.request.group
             groups[id(group)] = group
             mask = allowed.get(seq, [None])[0]
-            for s in group.draw(seq, logits[row]):
+            for s in group.draw(seq, logits, row):
                 seqs.append(s)
                 rows.append(row)
                 masks.append(mask)

@@ -12,7 +12,7 @@ class ParallelSampling(RequestGroup):
         super().__init__(request, host)
         self.copies: list[tuple[int, int]] = []
 
-    def draw(self, seq: Sequence, logits_row: torch.Tensor) -> list[Sequence]:
+    def draw(self, seq: Sequence, logits: torch.Tensor, row: int) -> list[Sequence]:
         if not self.request.forked:
             self._fork(seq)
             return list(self.request.sequences)

@@ -1,7 +1,7 @@
 """How a request's sequences come to be and advance: a policy per request, behind two calls the
 engine core makes, as speculation sits behind `propose` and `verify`.
 
-- `draw(seq, logits_row)`: the sequences the sampler draws a token for from a scheduled sequence's
+- `draw(seq, logits, row)`: the sequences the sampler draws a token for from a scheduled sequence's
   logits row: the sequence itself; the n samples of a parallel-sampling request once its prompt is
   computed (parallel_sampling.py); none for a beam, whose log-probabilities its search keeps
   (beam_search.py).
@@ -31,7 +31,7 @@ class RequestGroup:
     def __init__(self, request: Request, host):
         self.request, self.host = request, host
 
-    def draw(self, seq: Sequence, logits_row: torch.Tensor) -> list[Sequence]:
+    def draw(self, seq: Sequence, logits: torch.Tensor, row: int) -> list[Sequence]:
         return [seq]
 
     def settle(self) -> Settled | None:

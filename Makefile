@@ -42,8 +42,9 @@ $(PROMETHEUS):
 	cd .prometheus && (apt-get download prometheus || (apt-get update -qq && apt-get download prometheus)) \
 		&& dpkg-deb -x prometheus_*.deb . && rm prometheus_*.deb
 
+# --durations: the slowest tests, named in every CI log (the suite has a time budget: 25 minutes on 2 cores).
 test: install $(VENV5)/.installed $(PROMETHEUS)
-	KILN_TEST_STRICT=1 KILN_TRANSFORMERS5_PYTHON=$(abspath $(PY5)) $(PY) -m pytest -q tests
+	KILN_TEST_STRICT=1 KILN_TRANSFORMERS5_PYTHON=$(abspath $(PY5)) $(PY) -m pytest -q --durations=25 tests
 	KILN_TEST_STRICT=1 $(PY5) -m pytest -q $(TESTS5)
 
 # The default model: a 6M-parameter Llama trained on the standard library's source by

@@ -47,7 +47,6 @@ class AttentionLayer:
 
 class Kernels:
     """One kernel family. An op a family does not have is None, and the op set takes the reference's."""
-    name = ""
     # kv_cache_write(kv_cache, layer, k, v, slot_mapping, kv_scale=None): K/V into the pool in place
     kv_cache_write = None
     # paged_attention(q, kv_cache, layer, *StepMeta.pages, scale, [kv_scale], window=, softcap=) -> [T, H, D]

@@ -4,7 +4,6 @@ from kiln.plugins import cpp, cpu
 
 
 class CppKernels(Kernels):
-    name = "cpp"
     # The KV write stays inline beside the C++ attention: one index_put_ on the pool, compiled in place.
     kv_cache_write = staticmethod(cpu.kv_cache_write)
     packed_gemm = True

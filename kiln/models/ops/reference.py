@@ -5,7 +5,6 @@ from kiln.plugins import cpu
 
 
 class TorchKernels(Kernels):
-    name = "inline"
     kv_cache_write = staticmethod(cpu.kv_cache_write)
     paged_attention = staticmethod(cpu.paged_attention)
     rms_norm = staticmethod(cpu.rms_norm)
@@ -18,7 +17,6 @@ class TorchKernels(Kernels):
 class PythonPluginKernels(Kernels):
     """kiln:: custom-op nodes in the graph (kiln/plugins/ops.py): opaque to the compiler, run by
     Python. For debugging a plugin boundary; an engine using them runs only where kiln is imported."""
-    name = "python"
 
     def __init__(self):
         from kiln.plugins import ops

@@ -16,7 +16,7 @@ from kiln.models.attention import make_attention
 from kiln.models.linear import PackedLinear, packed_lm_head, tensor_specs
 from kiln.models.moe import MoeMLP, moe_tensor_specs
 from kiln.models.ops.base import AttentionLayer, StepMeta
-from kiln.models.ops.op_set import OpSet
+from kiln.models.ops.op_set import GROUPS, OpSet
 from kiln.models.parallel import TensorParallel
 
 
@@ -209,8 +209,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, weights: dict, rank: int = 0, ops: OpSet | None = None,
                  quantize_lm_head: str = "none", lora_modules=(), hidden_state_layers=()):
         super().__init__()
-        ops = ops or OpSet({"attention": "inline", "gemm": "inline", "norm": "inline", "rotary": "inline",
-                            "activation": "inline"})
+        ops = ops or OpSet(dict.fromkeys(GROUPS, "inline"))  # the plain-torch reference
         self.config, self.ops = config, ops
         self.tp = tp = TensorParallel(config, rank)
         pp_rank = config.mapping.pp_rank(rank)

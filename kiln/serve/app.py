@@ -305,13 +305,18 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
 
     # Each OpenAI route: its request to engine inputs, the engine requests started (the engine's refusal
     # is an error status before any byte is sent), then the response, or its chunks as they come.
+    async def started(s: Serving, inputs, id_prefix: str, request: Request):
+        """The response's head and the stream of the engine requests started for `inputs`."""
+        head = ResponseHead(random_id(id_prefix), now(), inputs.model)
+        outputs = await until_disconnected(request, start(s.llm, state.metrics, inputs.prompts, inputs.params,
+                                                          head.id, inputs.lora))
+        return head, outputs
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         s = serving()
         inputs = s.preprocessor.completion(req)
-        head = ResponseHead(random_id("cmpl"), now(), inputs.model)
-        outputs = await until_disconnected(request, start(s.llm, state.metrics, inputs.prompts, inputs.params,
-                                                          head.id, inputs.lora))
+        head, outputs = await started(s, inputs, "cmpl", request)
         if req.stream:
             return StreamingResponse(s.responses.completion_chunks(req, head, inputs.params, outputs),
                                      media_type="text/event-stream")
@@ -322,9 +327,7 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         s = serving()
         inputs = s.preprocessor.chat(req)
-        head = ResponseHead(random_id("chatcmpl"), now(), inputs.model)
-        outputs = await until_disconnected(request, start(s.llm, state.metrics, inputs.prompts, inputs.params,
-                                                          head.id, inputs.lora))
+        head, outputs = await started(s, inputs, "chatcmpl", request)
         if req.stream:
             return StreamingResponse(s.responses.chat_chunks(req, head, inputs.params, inputs.tool_parser, outputs),
                                      media_type="text/event-stream")

@@ -5,8 +5,12 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# The Triton kernels (kiln/plugins/gpu) run on CPU tensors in Triton's interpreter, which triton
+# reads when a kernel is decorated: set before anything imports them, here and in every subprocess.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 

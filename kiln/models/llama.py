@@ -14,7 +14,7 @@ from kiln.config import PretrainedConfig, torch_dtype
 from kiln.models import lora, rope
 from kiln.models.attention import make_attention
 from kiln.models.linear import PackedLinear, packed_lm_head, tensor_specs
-from kiln.models.moe import MoeMLP, moe_tensor_specs
+from kiln.models.moe import moe_tensor_specs
 from kiln.models.ops.base import AttentionLayer, StepMeta
 from kiln.models.ops.op_set import GROUPS, OpSet
 from kiln.models.parallel import TensorParallel
@@ -68,7 +68,7 @@ class LlamaLayer(nn.Module):
         # Gemma 3's sliding layers rotate with a base of their own (rope.RotaryTables)
         self.rope = "local" if window and config.rotary_base_local is not None else "global"
         if config.is_moe_layer(index):
-            self.mlp = MoeMLP(config, weights, prefix, rank, ops.packed_gemm, ops.silu_and_mul)
+            self.mlp = ops.moe(config, weights, prefix, rank)
         else:
             # fc (activated) and gate as one GEMM: one pass over the activations instead of two
             gate_up = linear(["mlp.fc", "mlp.gate"], [("mlp_h_to_4h", 0), ("mlp_gate", config.intermediate_size

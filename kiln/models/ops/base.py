@@ -7,6 +7,9 @@ and `AttentionLayer` what attention needs to know of a layer, fixed when the eng
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from kiln.models import linear, lora, moe
 
 
 @dataclass
@@ -56,8 +59,21 @@ class Kernels:
     rotary_embedding = None
     silu_and_mul = None
     gelu_tanh_and_mul = None
-    # Linears on this family's GEMMs (kiln.models.linear's packed layout on the C++ plugin)
+    # The lm_head, and a tied embedding's rows, in kiln.models.linear's packed layout (the C++ plugin)
     packed_gemm = False
+
+    # The GEMM group: a family builds the layers that own their weights' layout.
+    def linear(self, config, weights: dict, names: list[str], bias=None) -> nn.Module:
+        """One layer for the checkpoint linears `names` sharing their input (kiln/models/linear.py)."""
+        return linear.make_linear(config, weights, names, bias, self.packed_gemm)
+
+    def moe(self, config, weights: dict, prefix: str, rank: int, silu_and_mul) -> nn.Module:
+        """A mixture-of-experts MLP (kiln/models/moe.py; its shared expert on silu_and_mul)."""
+        return moe.MoeMLP(config, weights, prefix, rank, self.packed_gemm, silu_and_mul)
+
+    def lora(self, slots, ranks, pools) -> lora.StepAdapters:
+        """One step's LoRA updates: segmented on the C++ plugin beside its GEMMs, else dense GEMMs inline."""
+        return lora.StepAdapters(slots, ranks, pools, self.packed_gemm)
 
     def fused_attention(self, layer: AttentionLayer):
         """One call from a layer's QKV projection to its attention output (norms, rope, KV write and

@@ -7,7 +7,6 @@ A family is a `Kernels` (base.py); a GPU family (OpenAI Triton kernels) is one m
 from torch import nn
 
 from kiln.config import ConfigError, PretrainedConfig
-from kiln.models import linear, lora
 from kiln.models.ops.base import AttentionLayer, Kernels
 from kiln.models.ops.cpp import CppKernels
 from kiln.models.ops.reference import PythonPluginKernels, TorchKernels
@@ -50,7 +49,8 @@ class OpSet:
         self.rotary_embedding = of("rotary", "rotary_embedding")
         self.silu_and_mul = of("activation", "silu_and_mul")
         self.gelu_tanh_and_mul = of("activation", "gelu_tanh_and_mul")  # traced inline: no plugin has GeGLU
-        self.packed_gemm = families[choices["gemm"]].packed_gemm
+        self.gemm_family = families[choices["gemm"]]
+        self.packed_gemm = self.gemm_family.packed_gemm
 
     def act_and_mul(self, hidden_act: str):
         """The gated MLP's activation: GeGLU for Gemma, SwiGLU for the rest."""
@@ -60,9 +60,10 @@ class OpSet:
         return self.attention_family.fused_attention(layer)
 
     def linear(self, config: PretrainedConfig, weights: dict, names: list[str], bias=None) -> nn.Module:
-        """One layer for the checkpoint linears `names` sharing their input (kiln/models/linear.py)."""
-        return linear.make_linear(config, weights, names, bias, self.packed_gemm)
+        return self.gemm_family.linear(config, weights, names, bias)
 
-    def lora(self, slots, ranks, pools) -> lora.StepAdapters:
-        """One step's LoRA updates: segmented on the C++ plugin beside its GEMMs, else dense GEMMs inline."""
-        return lora.StepAdapters(slots, ranks, pools, self.packed_gemm)
+    def moe(self, config: PretrainedConfig, weights: dict, prefix: str, rank: int) -> nn.Module:
+        return self.gemm_family.moe(config, weights, prefix, rank, self.silu_and_mul)
+
+    def lora(self, slots, ranks, pools):
+        return self.gemm_family.lora(slots, ranks, pools)

@@ -366,6 +366,7 @@ class PretrainedConfig:
 
 
 BACKENDS = ("aoti", "eager")
+KERNELS = ("cpu", "triton")
 # The elementwise plugins of the step, in TensorRT-LLM's plugin_config names.
 ELEMENTWISE_PLUGINS = ("rmsnorm_plugin", "rope_plugin", "swiglu_plugin")
 
@@ -432,11 +433,17 @@ class BuildConfig:
     # (kiln/plugins/c_shims.py): checked against the plugins' at load.
     c_shims: list | None = None
     kiln_version: str = __version__
+    # The device the engine runs on ("cpu"; "cuda" is refused until the CUDA engine exists, issue 64)
+    # and its kernels: "cpu" (the families the plugin settings pick) or "triton" (every group on the
+    # OpenAI Triton kernels, kiln/plugins/gpu: on CPU tensors, only in Triton's interpreter).
     target_device: str = "cpu"
+    kernels: str = "cpu"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r} is not supported; expected one of {', '.join(BACKENDS)}")
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"kernels {self.kernels!r} is not supported; expected one of {', '.join(KERNELS)}")
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block",
                      "max_beam_width"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

@@ -25,6 +25,13 @@ BUILD_OPTIONS = [
                  help="Widest beam search a request may ask for (1: none). Each beam takes a batch slot."),
     click.option("--backend", type=click.Choice(BACKENDS), default="aoti", show_default=True,
                  help="aoti: AOTInductor-compiled package; eager: the exported program, uncompiled."),
+    click.option("--device", "target_device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+                 help="Where the engine runs. cuda: refused for now (Kiln builds no CUDA engine yet); without a "
+                      "GPU, a one-line error."),
+    click.option("--kernels", type=click.Choice(["cpu", "triton"]), default="cpu", show_default=True,
+                 help="cpu: the plugins' C++ or inline kernels; triton: every plugin left unset on Kiln's OpenAI "
+                      "Triton kernels (the GPU op set), which on CPU run in Triton's interpreter "
+                      "(TRITON_INTERPRET=1, --backend eager): to check them, not to serve fast."),
     click.option("--max_autotune/--no_max_autotune", default=None,
                  help="aoti: benchmark Inductor's GEMM kernels while compiling (a longer build; 2-3x faster "
                       "bf16/fp16 GEMMs than ATen's on CPU). Default: on for bf16/fp16 builds with "
@@ -165,7 +172,8 @@ def _kiln_options(options: dict) -> dict:
     lora_plugin, modules = options["lora_plugin"], list(options["lora_target_modules"])
     out = {k: options[k] for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
                                    "tokens_per_block", "max_beam_width", "backend", "max_autotune", "tactic_timing",
-                                   "int8_activations", "quantize_lm_head")}
+                                   "int8_activations", "quantize_lm_head",
+                                   "target_device", "kernels")}
     if lora_plugin != "disable":
         out["lora_config"] = {"max_lora_rank": options["max_lora_rank"], "lora_target_modules": modules}
     elif modules or options["lora_dir"]:

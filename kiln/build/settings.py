@@ -12,12 +12,14 @@ from kiln.models.ops import op_set
 # turns it off; Kiln's "cpp" is the plugin on, "inline" off (traced for the compiler), "python" the
 # kiln:: Python op.
 PLUGIN_ON = ("auto", "float16", "bfloat16", "float32", "int32", "fp8")
-KILN_VALUES = ("cpp", "inline", "python")
+KILN_VALUES = ("cpp", "inline", "python", "triton")
+DEVICES = ("cpu", "cuda")
 
 
 def resolve(build: BuildConfig, pretrained: PretrainedConfig, log, lora_dirs=()) -> None:
     """Fills in every setting of `build` left to the builder, for this checkpoint; ConfigError names
     the first one that cannot be."""
+    resolve_device(build)
     resolve_plugins(build, pretrained, log)
     resolve_max_seq_len(build, pretrained, log)
     if lora_dirs:
@@ -62,6 +64,31 @@ def resolve(build: BuildConfig, pretrained: PretrainedConfig, log, lora_dirs=())
     build.op_set = op_set.choose(build.plugin_config)
 
 
+def resolve_device(build: BuildConfig) -> None:
+    """--device and --kernels: where the engine runs, and the Triton kernels for every plugin left
+    to the builder when --kernels triton."""
+    if build.target_device not in DEVICES:
+        raise ConfigError(f"--device {build.target_device!r} is not supported; expected one of {', '.join(DEVICES)}")
+    if build.target_device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                              "build on the GPU the engine will serve on, or use --device cpu")
+        raise ConfigError("--device cuda: Kiln does not build CUDA engines yet (its Triton kernels are verified in "
+                          "Triton's interpreter only); use --device cpu")
+    if build.kernels == "triton":
+        from kiln.plugins import gpu
+
+        gpu.check_runnable("cpu")
+        if build.backend != "eager":
+            raise ConfigError("--kernels triton on CPU needs --backend eager: Triton's interpreter runs the kernels "
+                              "op by op, and AOTInductor compiles Triton kernels for CUDA GPUs only")
+        for key in op_set.GROUPS.values():
+            if build.plugin_config.get(key) is None:
+                build.plugin_config[key] = "triton"
+
+
 def resolve_plugins(build: BuildConfig, pretrained: PretrainedConfig, log) -> None:
     """TensorRT-LLM's values of gpt_attention_plugin and gemm_plugin as Kiln's: the plugin on (cpp) or
     off (inline). Its plugins compute in the weights' dtype, so a dtype other than the checkpoint's is
@@ -73,11 +100,11 @@ def resolve_plugins(build: BuildConfig, pretrained: PretrainedConfig, log) -> No
         if value == "disable":
             build.plugin_config[key] = "inline"
         elif value in PLUGIN_ON:
-            build.plugin_config[key] = "cpp"
+            build.plugin_config[key] = on = "triton" if build.kernels == "triton" else "cpp"
             weights = "fp8" if pretrained.quantization.quant_algo == "FP8" else pretrained.dtype
             if value not in ("auto", weights):
-                log(f"--{key} {value}: the C++ plugin, computing in the checkpoint's {weights} (Kiln's plugins "
-                    f"compute in the weights' dtype)")
+                log(f"--{key} {value}: the {'Triton' if on == 'triton' else 'C++'} plugin, computing in the "
+                    f"checkpoint's {weights} (Kiln's plugins compute in the weights' dtype)")
         elif value == "nvfp4":
             raise ConfigError(f"--{key} nvfp4: NVFP4 GEMMs are not supported by Kiln")
         else:

@@ -19,8 +19,8 @@ ENABLE = ("enable", "disable")
 PLUGIN_DTYPES = ("auto", "float16", "float32", "bfloat16", "int32")
 LOG_LEVELS = ("internal_error", "error", "warning", "info", "verbose", "debug", "trace")
 # The values Kiln's plugin options take besides TensorRT-LLM's: the C++ plugin, traced inline for the
-# compiler, or the kiln:: Python op (debugging).
-KILN_PLUGIN_VALUES = ("cpp", "inline", "python")
+# compiler, the kiln:: Python op (debugging), or the OpenAI Triton kernel (kiln/plugins/gpu).
+KILN_PLUGIN_VALUES = ("cpp", "inline", "python", "triton")
 
 
 def _note(text: str) -> Callable:

@@ -62,7 +62,7 @@ def plugin_config(engine_dir) -> dict:
 
 # The custom-op libraries an engine's graph may call: the kiln:: Python ops (kiln/plugins/ops.py) and
 # the kiln_cpp:: C++ plugins (kiln/plugins/cpp.py, built once per machine).
-OP_LIBRARIES = ("kiln", "kiln_cpp")
+OP_LIBRARIES = ("kiln", "kiln_cpp", "kiln_gpu")
 
 
 def op_libraries(pretrained: PretrainedConfig, build: BuildConfig) -> tuple[str, ...]:
@@ -72,10 +72,13 @@ def op_libraries(pretrained: PretrainedConfig, build: BuildConfig) -> tuple[str,
     build checks the exported graph against it (kiln/build/export.py)."""
     plugins = build.plugin_config
     libraries = ["kiln"]  # cheap, and whatever a plugin value names a Python op
-    # A mixture of experts always runs the fused kiln_cpp::moe op, and tensor parallelism kiln_cpp's
-    # collectives, whatever the plugins: neither has an inline form.
-    if "cpp" in plugins.values() or pretrained.moe.num_experts or pretrained.mapping.tp_size > 1:
+    # A mixture of experts runs the fused kiln_cpp::moe op unless its GEMMs are Triton's, and tensor
+    # parallelism kiln_cpp's collectives, whatever the plugins: neither has an inline form.
+    experts_on_cpp = pretrained.moe.num_experts and plugins.get("gemm_plugin") != "triton"
+    if "cpp" in plugins.values() or experts_on_cpp or pretrained.mapping.tp_size > 1:
         libraries.append("kiln_cpp")
+    if "triton" in plugins.values():
+        libraries.append("kiln_gpu")
     return tuple(libraries)
 
 

@@ -74,6 +74,11 @@ def register_ops(config: EngineConfig) -> tuple[str, ...]:
 
         cpp.ensure_built()  # registers the kiln_cpp:: ops (building them once if this machine has not)
         use_caching_allocator()
+    if "kiln_gpu" in libraries:
+        from kiln.plugins import gpu
+
+        gpu.check_runnable(config.build_config.target_device)
+        gpu.load()
     return libraries
 
 

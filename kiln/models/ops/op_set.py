@@ -2,16 +2,19 @@
 when the engine is built (`choose`, from TensorRT-LLM's plugin settings) and recorded in its build
 config as `op_set`. The model calls the op set and never asks which family it got.
 
-A family is a `Kernels` (base.py); a GPU family (OpenAI Triton kernels) is one more entry of FAMILIES.
+A family is a `Kernels` (base.py): plain torch, Python plugin nodes, the C++ CPU plugins, or the
+OpenAI Triton kernels of the GPU (gpu.py).
 """
 from torch import nn
 
 from kiln.config import ConfigError, PretrainedConfig
 from kiln.models.ops.base import AttentionLayer, Kernels
 from kiln.models.ops.cpp import CppKernels
+from kiln.models.ops.gpu import TritonKernels
 from kiln.models.ops.reference import PythonPluginKernels, TorchKernels
 
-FAMILIES: dict[str, type[Kernels]] = {"inline": TorchKernels, "python": PythonPluginKernels, "cpp": CppKernels}
+FAMILIES: dict[str, type[Kernels]] = {"inline": TorchKernels, "python": PythonPluginKernels, "cpp": CppKernels,
+                                      "triton": TritonKernels}
 # group -> the TensorRT-LLM plugin setting that picks its family
 GROUPS = {"attention": "gpt_attention_plugin", "gemm": "gemm_plugin", "norm": "rmsnorm_plugin",
           "rotary": "rope_plugin", "activation": "swiglu_plugin"}
@@ -20,7 +23,7 @@ GROUPS = {"attention": "gpt_attention_plugin", "gemm": "gemm_plugin", "norm": "r
 def choose(plugin_config: dict) -> dict[str, str]:
     """The family of each group for a build's resolved plugin settings (kiln/build/settings.py)."""
     chosen = {group: plugin_config.get(key) or "inline" for group, key in GROUPS.items()}
-    if chosen["gemm"] != "cpp":  # the GEMMs are ATen's or the plugin's; no Python GEMM node
+    if chosen["gemm"] not in ("cpp", "triton"):  # no Python GEMM node: ATen's GEMMs
         chosen["gemm"] = "inline"
     return chosen
 

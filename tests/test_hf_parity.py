@@ -61,8 +61,10 @@ def engines(checkpoints, tmp_path_factory):
     def get(name, backend):
         if (name, backend) not in cache:
             lines = []
+            # "triton": the GPU op set's Triton kernels, run in Triton's interpreter (an eager engine)
+            build = dict(backend="eager", kernels="triton") if backend == "triton" else dict(backend=backend)
             out = build_engine(checkpoints[newest][name], tmp_path_factory.mktemp(f"{name}_{backend}") / "e",
-                               BuildConfig(**{**TEST_BUILD, "backend": backend}), log=lines.append)
+                               BuildConfig(**{**TEST_BUILD, **build}), log=lines.append)
             cache[name, backend] = out, lines[-1]
         return cache[name, backend]
 
@@ -88,9 +90,11 @@ def test_both_majors_convert_to_the_same_checkpoint(name, oracles, checkpoints):
 
 # Every family eager, and compiled (aoti) once per architecture: qwen2.5-yarn and qwen2.5-swa are Qwen2's
 # (mistral-v0.1 compiles the sliding window, phi4-mini LongRoPE); Mixtral's compiled engine is
-# tests/test_moe.py's expert-parallel one.
+# tests/test_moe.py's expert-parallel one. On the Triton kernels (in their interpreter): GQA with
+# llama3 rope and tied embeddings, qkv bias, Gemma 2's window and soft cap with GeGLU, experts.
 @pytest.mark.parametrize("name,backend", [(n, "eager") for n in FAMILIES] + [
-    (n, "aoti") for n in FAMILIES if n not in ("qwen2.5", "mixtral", "qwen2.5-swa", "phi3.5")])
+    (n, "aoti") for n in FAMILIES if n not in ("qwen2.5", "mixtral", "qwen2.5-swa", "phi3.5")] + [
+    (n, "triton") for n in ("llama3.2", "qwen2.5", "gemma2", "mixtral")])
 def test_greedy_matches_hf(name, backend, oracles, engines, capsys):
     engine_dir, summary = engines(name, backend)
     assert "no tokenizer (none in" in summary, summary

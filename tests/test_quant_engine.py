@@ -237,13 +237,16 @@ def test_aoti_quantized_engine_matches_eager(algo, kv, modelopt_checkpoint, hf_m
 
 # -- a hand-made RTN int4 checkpoint (W4A16: AWQ's layout without pre-quant scales) ---------------
 
-def test_rtn_w4a16_checkpoint_matches_hf_with_dequantized_weights(checkpoint, hf_model, tmp_path, capsys):
+# kernels "triton": the GPU op set's int4 GEMM (kiln/plugins/gpu/gemm.py) in Triton's interpreter
+@pytest.mark.parametrize("kernels,group", [("cpu", 32), ("triton", 64)])
+def test_rtn_w4a16_checkpoint_matches_hf_with_dequantized_weights(kernels, group, checkpoint, hf_model, tmp_path,
+                                                                 capsys):
     import transformers
 
     src = checkpoint("llama")
     ckpt = tmp_path / "rtn"
     shutil.copytree(src, ckpt)
-    weights, group = load_file(src / "rank0.safetensors"), 32
+    weights = load_file(src / "rank0.safetensors")
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_model("llama"), torch_dtype=torch.float32).eval()
     for key in [k for k in weights if k.endswith(tuple(f"{n}.weight" for n in modelopt_export.LINEARS))]:
         w = weights.pop(key)
@@ -261,10 +264,10 @@ def test_rtn_w4a16_checkpoint_matches_hf_with_dequantized_weights(checkpoint, hf
     config = json.loads((ckpt / "config.json").read_text())
     config["quantization"].update(quant_algo="W4A16", group_size=group)
     (ckpt / "config.json").write_text(json.dumps(config))
-    engine_dir = _build(ckpt, tmp_path / "e", None)
+    engine_dir = _build(ckpt, tmp_path / "e", None, kernels=kernels)
     diff = _max_logit_diff(engine_dir, hf, _prompt_ids(hf_model("llama"))[:3])
     with capsys.disabled():
-        print(f"\n[W4A16 RTN] max |logit - HF with dequantized weights| = {diff:.2e}")
+        print(f"\n[W4A16 RTN, {kernels} kernels, group {group}] max |logit - HF with dequantized weights| = {diff:.2e}")
     assert diff < 1e-4
 
 

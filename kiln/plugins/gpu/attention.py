@@ -11,7 +11,8 @@ may have freed it: its block table entry is -1).
 - Generation phase: flash decoding. One query per sequence, so one program per (sequence, KV head,
   split) holds the KV head's whole group of query heads as the rows of one tile (each page read
   once for the group), and the pages are split SPLITS ways so that batch-1 decode of a long context
-  still fills the GPU; a second kernel merges the splits' partial softmaxes.
+  still fills the GPU (up to SPLITS, one per KEYS_PER_SPLIT keys of the batch's longest context);
+  a second kernel merges the splits' partial softmaxes.
 
 8-bit pools (INT8, FP8) store round/cast(x / kv_scale) and are widened times kv_scale as read.
 Semantics are kiln/plugins/reference.py's: soft cap tanh(s / cap) * cap before the mask, a query
@@ -27,7 +28,8 @@ from torch.library import wrap_triton
 from kiln.plugins.gpu import triton_op
 from kiln.plugins.gpu.elementwise import _tanh
 
-SPLITS = 16  # decode splits per (sequence, KV head): 16 x KV heads programs fill an H100 at batch 1
+SPLITS = 16  # most decode splits per (sequence, KV head): 16 x 8 KV heads fill an H100 at batch 1
+KEYS_PER_SPLIT = 128  # fewer splits for short contexts, where a split's fixed cost is most of its work
 BLOCK_M = 16  # context queries per program (tl.dot's smallest tile)
 NEG = -1.0e30  # a masked score: finite, so that a row with nothing to see stays 0 instead of NaN
 
@@ -166,14 +168,14 @@ def _context_kernel(q_ptr, kv_ptr, scale_ptr, out_ptr, token_ptr, tables_ptr, le
 @triton.jit
 def _decode_kernel(q_ptr, kv_ptr, scale_ptr, m_ptr, l_ptr, acc_ptr, token_ptr, tables_ptr, lens_ptr, layer, heads,
                    group, q_stride_t, q_stride_h, s_layer, s_kv, s_block, s_pos, table_stride, block_size,
-                   D, scale, window, softcap, QUANT: tl.constexpr, SOFTCAP: tl.constexpr, SPLITS: tl.constexpr,
+                   D, scale, window, softcap, splits, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     s, kh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens_ptr + s)
     lo = 0
     if window > 0:
         lo = tl.maximum(length - window, 0)
-    per_split = tl.cdiv(tl.cdiv(length - lo, SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(length - lo, splits), BLOCK_N) * BLOCK_N
     first = lo + split * per_split
     end = tl.minimum(first + per_split, length)
     g = tl.arange(0, BLOCK_G)
@@ -194,22 +196,25 @@ def _decode_kernel(q_ptr, kv_ptr, scale_ptr, m_ptr, l_ptr, acc_ptr, token_ptr, t
         keys = start + tl.arange(0, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, tables_ptr + s * table_stride, keys, first, end, pos,
                                      d, dm, block_size, s_block, s_pos, s_kv, kv_scale, scale, window, softcap, SOFTCAP)
-    row = (s * heads + heads_of) * SPLITS + split  # partials [Sg, H, SPLITS] (acc: times D)
+    row = (s * heads + heads_of) * splits + split  # partials [Sg, H, splits] (acc: times D)
     tl.store(m_ptr + row, m_i, mask=gm)
     tl.store(l_ptr + row, l_i, mask=gm)
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None] & dm[None, :])
 
 
 @triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, token_ptr, out_ptr, heads, D, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_kernel(m_ptr, l_ptr, acc_ptr, token_ptr, out_ptr, heads, D, splits, SPLITS: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
     s, h = tl.program_id(0), tl.program_id(1)
-    base = (s * heads + h) * SPLITS
+    base = (s * heads + h) * splits
     i = tl.arange(0, SPLITS)
+    im = i < splits
     d = tl.arange(0, BLOCK_D)
-    m = tl.load(m_ptr + base + i)
-    w = tl.exp(m - tl.max(m, axis=0)) * (tl.load(l_ptr + base + i) > 0)  # empty splits weigh nothing
-    l_sum = tl.sum(w * tl.load(l_ptr + base + i), axis=0)
-    acc = tl.load(acc_ptr + (base + i)[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0)
+    m = tl.load(m_ptr + base + i, mask=im, other=NEG)
+    l_split = tl.load(l_ptr + base + i, mask=im, other=0.0)
+    w = tl.exp(m - tl.max(m, axis=0)) * (l_split > 0)  # empty splits weigh nothing
+    l_sum = tl.sum(w * l_split, axis=0)
+    acc = tl.load(acc_ptr + (base + i)[:, None] * D + d[None, :], mask=im[:, None] & (d[None, :] < D), other=0.0)
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum > 0, l_sum, 1.0)
     token = tl.load(token_ptr + s)
     tl.store(out_ptr + token * (heads * D) + h * D + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
@@ -240,14 +245,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, ctx_tok
         q, kv_cache, scale_arg, out, ctx_token_index, ctx_block_tables, ctx_context_lens, layer, H, group,
         q.stride(0), q.stride(1), *strides, Q, ctx_block_tables.stride(0), block_size, D, scale, window, softcap,
         BLOCK_M=BLOCK_M, **common)
-    Sg = gen_token_index.shape[0]
-    m = q.new_empty(Sg, H, SPLITS, dtype=torch.float32)
+    Sg, width = gen_block_tables.shape
+    # From shapes alone (no device sync): the block tables' width bounds the batch's longest context
+    splits = min(SPLITS, triton.cdiv(width * block_size, KEYS_PER_SPLIT))
+    m = q.new_empty(Sg, H, splits, dtype=torch.float32)
     l_sum = torch.empty_like(m)
-    acc = q.new_empty(Sg, H, SPLITS, D, dtype=torch.float32)
-    wrap_triton(_decode_kernel)[(Sg, KH, SPLITS)](
+    acc = q.new_empty(Sg, H, splits, D, dtype=torch.float32)
+    wrap_triton(_decode_kernel)[(Sg, KH, splits)](
         q, kv_cache, scale_arg, m, l_sum, acc, gen_token_index, gen_block_tables, gen_context_lens, layer, H, group,
-        q.stride(0), q.stride(1), *strides, gen_block_tables.stride(0), block_size, D, scale, window, softcap,
-        SPLITS=SPLITS, BLOCK_G=max(16, triton.next_power_of_2(group)), **common)
-    wrap_triton(_merge_kernel)[(Sg, H)](m, l_sum, acc, gen_token_index, out, H, D, SPLITS=SPLITS,
+        q.stride(0), q.stride(1), *strides, gen_block_tables.stride(0), block_size, D, scale, window, softcap, splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), **common)
+    wrap_triton(_merge_kernel)[(Sg, H)](m, l_sum, acc, gen_token_index, out, H, D, splits, SPLITS=SPLITS,
                                         BLOCK_D=triton.next_power_of_2(D))
     return out

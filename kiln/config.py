@@ -438,6 +438,7 @@ class BuildConfig:
     # OpenAI Triton kernels, kiln/plugins/gpu: on CPU tensors, only in Triton's interpreter).
     target_device: str = "cpu"
     kernels: str = "cpu"
+    gpu_arch: str | None = None  # a CUDA engine's GPU architecture ("sm_90"), checked at load
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

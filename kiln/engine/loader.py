@@ -107,6 +107,20 @@ def load(backend: str, path: Path, unpacked: Path | None = None):
     raise ValueError(f"unknown backend {backend!r}")
 
 
+def check_device(build, engine_dir: Path) -> None:
+    """A one-line error unless this machine has the device the engine was built for: its GPU's
+    architecture (build_config.gpu_arch, "sm_90"), for a CUDA engine."""
+    if build.target_device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{engine_dir} was built for a CUDA GPU and this machine has none (torch.cuda.is_available() "
+                          f"is False): serve it on a GPU machine, or rebuild it with engine-build --device cpu")
+    major, minor = torch.cuda.get_device_capability()
+    if build.gpu_arch and build.gpu_arch != f"sm_{major}{minor}":
+        raise ConfigError(f"{engine_dir} was built for {build.gpu_arch} and this GPU ({torch.cuda.get_device_name()}) is "
+                          f"sm_{major}{minor}: rebuild the engine with engine-build on this GPU")
+
+
 class RankEngine:
     """rank: which rank engine (rank{N}.engine) to load. ranks_per_machine: ranks whose KV pools
     share this machine's memory. allocate=False leaves the pool to allocate(), once the ranks have
@@ -121,6 +135,7 @@ class RankEngine:
         if not 0 <= rank < pretrained.mapping.world_size:
             raise ConfigError(f"{engine_dir}: rank {rank} is outside the engine's world_size "
                               f"{pretrained.mapping.world_size}")
+        check_device(build, self.engine_dir)
         self.rank = rank
         self.num_layers = len(pretrained.layers_of(pretrained.mapping.pp_rank(rank)))
         path = engine_file(self.engine_dir, rank)
@@ -130,7 +145,7 @@ class RankEngine:
             # aoti: unpacked once, into a folder of this process's own (extraction.py)
             self.model = (extraction.load_unpacked(path, lambda folder: load("aoti", path, unpacked=folder))
                           if build.backend == "aoti" else load(build.backend, path))
-        except (ImportError, extraction.UnpackError):  # a broken install or a full disk, not a broken engine file
+        except (ImportError, extraction.UnpackError, ConfigError):  # an install, a disk, a machine: not the file
             raise
         except Exception as e:  # a truncated/corrupt file surfaces as zipfile/torch errors
             reason = (str(e).strip().splitlines() or [""])[0]

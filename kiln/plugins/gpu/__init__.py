@@ -32,8 +32,8 @@ def check_runnable(device: str = "cpu") -> None:
     except ImportError:
         raise ConfigError("the Triton kernels need the triton package: pip install 'kiln-llm[gpu]'") from None
     if device == "cpu" and not interpreted():
-        raise ConfigError("Triton kernels run on a CUDA GPU, or on CPU tensors only in Triton's interpreter: "
-                          "set TRITON_INTERPRET=1 before starting Python (or build with --device cuda on a GPU)")
+        raise ConfigError("Kiln's Triton kernels run on CPU tensors only in Triton's interpreter: set "
+                          "TRITON_INTERPRET=1 before starting Python")
 
 
 def triton_op(name: str, fake, mutates_args=()):

@@ -1,10 +1,13 @@
-"""The frontend's tokenizer: the one engine-build copied into the engine dir, or none."""
+"""The frontend's tokenizer: the one engine-build copied into the engine dir, one given, or none."""
+import os
+
 from kiln.config import ConfigError
 from kiln.tokenizer_files import TOKENIZER_VOCAB_FILES, has_tokenizer
 
 
 def load_tokenizer(engine_dir):
-    """The tokenizer engine-build copied into the engine dir; a one-line error if there is none."""
+    """The tokenizer in engine_dir (where engine-build copied it; or a HF model dir); a one-line error
+    if there is none."""
     from transformers import AutoTokenizer  # heavy: only where a tokenizer is loaded
 
     fix = ("rebuild it with engine-build --tokenizer_dir <HF model dir>, or load it with "
@@ -20,8 +23,11 @@ def load_tokenizer(engine_dir):
 
 
 def frontend_tokenizer(engine_dir, tokenizer, skip_tokenizer_init: bool):
-    """The tokenizer given, else the engine dir's; None with skip_tokenizer_init (vLLM's name: prompts
-    are token ids, outputs have empty text). Loaded before the engine, so that a missing one fails fast."""
+    """The tokenizer given (an object, or as vLLM's `tokenizer` a dir to load it from), else the engine
+    dir's; None with skip_tokenizer_init (vLLM's name: prompts are token ids, outputs have empty text).
+    Loaded before the engine, so that a missing one fails fast."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return load_tokenizer(tokenizer)
     if tokenizer is not None or skip_tokenizer_init:
         return tokenizer
     return load_tokenizer(engine_dir)

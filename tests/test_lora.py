@@ -94,11 +94,13 @@ def _generate_mixed(engine_dir, prompts, loras):
 LORA_BUILD = {"max_lora_rank": 8, "lora_target_modules": MODULES}
 
 
-@pytest.mark.parametrize("backend", ["eager", "aoti"])
+@pytest.mark.parametrize("backend", ["eager", "aoti", "triton"])
 def test_adapters_mixed_with_base_requests_match_peft(backend, engine, mixed):
-    """eager: the dense updates traced inline; aoti on the C++ GEMM plugin: kiln_cpp::lora's segmented ones."""
+    """eager: the dense updates traced inline; aoti on the C++ GEMM plugin: kiln_cpp::lora's segmented ones;
+    triton: the GPU op set's shrink/expand kernels (kiln/plugins/gpu/lora.py), in Triton's interpreter."""
     prompts, loras, want = mixed
-    overrides = {"plugin_config": {"gemm_plugin": "cpp"}} if backend == "aoti" else {}
+    overrides = {"aoti": {"plugin_config": {"gemm_plugin": "cpp"}}, "triton": {"kernels": "triton"}}.get(backend, {})
+    backend = "eager" if backend == "triton" else backend
     assert _generate_mixed(engine("llama", backend, lora_config=LORA_BUILD, **overrides), prompts, loras) == want
 
 

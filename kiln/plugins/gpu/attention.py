@@ -5,9 +5,10 @@ format"); a request's pages are its row of a block table. Both phases read pages
 page per inner step, and never read a page wholly before a sliding window (the KV cache manager
 may have freed it: its block table entry is -1).
 
-- Context phase (prefill, chunked prefill): flash attention. One program per (sequence, query
-  head, BLOCK_M queries of its chunk); an online softmax over the pages from the window's start
-  to the chunk's last position, causal from the chunk's offset in its sequence.
+- Context phase (prefill, chunked prefill): flash attention. One program per (sequence, KV head,
+  block of its chunk's queries), whose rows are those queries times the KV head's group of query
+  heads (GQA: each page read once per group); an online softmax over the pages from the window's
+  start to the block's last position, causal from the chunk's offset in its sequence.
 - Generation phase: flash decoding. One query per sequence, so one program per (sequence, KV head,
   split) holds the KV head's whole group of query heads as the rows of one tile (each page read
   once for the group), and the pages are split SPLITS ways so that batch-1 decode of a long context
@@ -30,7 +31,7 @@ from kiln.plugins.gpu.elementwise import _tanh
 
 SPLITS = 16  # most decode splits per (sequence, KV head): 16 x 8 KV heads fill an H100 at batch 1
 KEYS_PER_SPLIT = 128  # fewer splits for short contexts, where a split's fixed cost is most of its work
-BLOCK_M = 16  # context queries per program (tl.dot's smallest tile)
+CONTEXT_ROWS = 64  # context rows per program (queries x their KV head's query heads), at least 16 queries
 NEG = -1.0e30  # a masked score: finite, so that a row with nothing to see stays 0 instead of NaN
 
 
@@ -52,15 +53,15 @@ def _e4m3_grid(x):
 
 
 @triton.jit
-def _kv_write_kernel(k_ptr, v_ptr, slot_ptr, kv_ptr, scale_ptr, layer, k_stride, v_stride, s_layer, s_kv,
-                     block_size, W, QUANT: tl.constexpr, INT8: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
+def _kv_write_kernel(k_ptr, v_ptr, slot_ptr, kv_ptr, scale_ptr, layer, T, k_stride, v_stride, s_layer, s_kv,
+                     block_size, W, QUANT: tl.constexpr, INT8: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    slot = tl.load(slot_ptr + t, mask=t < T, other=0).to(tl.int64)
     dst = kv_ptr + layer * s_layer + (slot // block_size) * block_size * W + (slot % block_size) * W
-    i = tl.arange(0, BLOCK)
-    m = i < W
-    k = tl.load(k_ptr + t * k_stride + i, mask=m, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + t * v_stride + i, mask=m, other=0.0).to(tl.float32)
+    i = tl.arange(0, BLOCK)[None, :]
+    m = (t < T)[:, None] & (i < W)
+    k = tl.load(k_ptr + t[:, None] * k_stride + i, mask=m, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + t[:, None] * v_stride + i, mask=m, other=0.0).to(tl.float32)
     if QUANT:
         inv = 1 / tl.load(scale_ptr).to(tl.float32)
         k, v = k * inv, v * inv
@@ -69,10 +70,9 @@ def _kv_write_kernel(k_ptr, v_ptr, slot_ptr, kv_ptr, scale_ptr, layer, k_stride,
             v = tl.minimum(tl.maximum(_round_half_even(v), -128.0), 127.0)
         else:  # clamp before the cast: e4m3fn has no infinity to saturate to
             k, v = tl.minimum(tl.maximum(k, -448.0), 448.0), tl.minimum(tl.maximum(v, -448.0), 448.0)
-        if not INT8:
             k, v = _e4m3_grid(k), _e4m3_grid(v)
-    tl.store(dst + i, k.to(kv_ptr.dtype.element_ty), mask=m)
-    tl.store(dst + s_kv + i, v.to(kv_ptr.dtype.element_ty), mask=m)
+    tl.store(dst[:, None] + i, k.to(kv_ptr.dtype.element_ty), mask=m)
+    tl.store(dst[:, None] + s_kv + i, v.to(kv_ptr.dtype.element_ty), mask=m)
 
 
 def _kv_write_fake(kv_cache, layer, k, v, slot_mapping, kv_scale=None):
@@ -85,10 +85,12 @@ def kv_cache_write(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch
     """k, v [T, KH, D] into the pool at each token's slot (block * block_size + offset)."""
     W = k.shape[1] * k.shape[2]
     k, v = k.reshape(k.shape[0], W), v.reshape(v.shape[0], W)  # views where the heads are dense
-    wrap_triton(_kv_write_kernel)[(k.shape[0],)](
-        k, v, slot_mapping, kv_cache, kv_cache if kv_scale is None else kv_scale, layer, k.stride(0), v.stride(0),
+    T, block = k.shape[0], triton.next_power_of_2(W)
+    rows = max(1, 4096 // block)
+    wrap_triton(_kv_write_kernel)[(triton.cdiv(T, rows),)](
+        k, v, slot_mapping, kv_cache, kv_cache if kv_scale is None else kv_scale, layer, T, k.stride(0), v.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[3], W, QUANT=kv_scale is not None,
-        INT8=kv_cache.dtype == torch.int8, BLOCK=triton.next_power_of_2(W))
+        INT8=kv_cache.dtype == torch.int8, ROWS=rows, BLOCK=block)
 
 
 @triton.jit
@@ -132,36 +134,38 @@ def _count_valid(row_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _context_kernel(q_ptr, kv_ptr, scale_ptr, out_ptr, token_ptr, tables_ptr, lens_ptr, layer, heads, group,
                     q_stride_t, q_stride_h, s_layer, s_kv, s_block, s_pos, tok_stride, table_stride, block_size,
-                    D, scale, window, softcap, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    s, h, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                    D, scale, window, softcap, QUANT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    s, kh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = _count_valid(token_ptr + s * tok_stride, tok_stride, BLOCK_M)  # the chunk's queries: a prefix
     if mb * BLOCK_M < count:
         length = tl.load(lens_ptr + s)
-        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        valid = rows < count
-        tokens = tl.load(token_ptr + s * tok_stride + rows, mask=valid, other=0)
-        pos = length - count + rows  # the chunk holds its sequence's last `count` positions
+        r = tl.arange(0, BLOCK_R)  # rows: BLOCK_M queries x the KV head's group of query heads
+        query = mb * BLOCK_M + r // group
+        valid = (r < BLOCK_M * group) & (query < count)
+        h = kh * group + r % group
+        tokens = tl.load(token_ptr + s * tok_stride + query, mask=valid, other=0)
+        pos = length - count + query  # the chunk holds its sequence's last `count` positions
         d = tl.arange(0, BLOCK_D)
         dm = d < D
-        q = tl.load(q_ptr + tokens[:, None] * q_stride_t + h * q_stride_h + d[None, :],
+        q = tl.load(q_ptr + tokens[:, None] * q_stride_t + h[:, None] * q_stride_h + d[None, :],
                     mask=valid[:, None] & dm[None, :], other=0.0).to(tl.float32)
         kv_scale = tl.load(scale_ptr).to(tl.float32) if QUANT else 1.0
-        m_i = tl.full((BLOCK_M,), NEG, tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        m_i = tl.full((BLOCK_R,), NEG, tl.float32)
+        l_i = tl.zeros((BLOCK_R,), tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
         end = tl.minimum(length - count + (mb + 1) * BLOCK_M, length)
         lo = 0
         if window > 0:
             lo = tl.maximum(length - count + mb * BLOCK_M - window + 1, 0)
-        kv_base = kv_ptr + layer * s_layer + (h // group) * D
+        kv_base = kv_ptr + layer * s_layer + kh * D
         for start in range((lo // BLOCK_N) * BLOCK_N, end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, tables_ptr + s * table_stride, keys, lo, end,
                                          pos, d, dm, block_size, s_block, s_pos, s_kv, kv_scale, scale, window,
                                          softcap, SOFTCAP)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        optr = out_ptr + tokens[:, None] * (heads * D) + h * D + d[None, :]
+        optr = out_ptr + tokens[:, None] * (heads * D) + h[:, None] * D + d[None, :]
         tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dm[None, :])
 
 
@@ -241,10 +245,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, ctx_tok
     block_d = max(16, triton.next_power_of_2(D))
     common = dict(QUANT=quant, SOFTCAP=bool(softcap), BLOCK_N=32, BLOCK_D=block_d)
     Sc, Q = ctx_token_index.shape
-    wrap_triton(_context_kernel)[(Sc, H, triton.cdiv(Q, BLOCK_M))](
+    block_m = max(16, CONTEXT_ROWS // group)
+    wrap_triton(_context_kernel)[(Sc, KH, triton.cdiv(Q, block_m))](
         q, kv_cache, scale_arg, out, ctx_token_index, ctx_block_tables, ctx_context_lens, layer, H, group,
         q.stride(0), q.stride(1), *strides, Q, ctx_block_tables.stride(0), block_size, D, scale, window, softcap,
-        BLOCK_M=BLOCK_M, **common)
+        BLOCK_M=block_m, BLOCK_R=triton.next_power_of_2(block_m * group), **common)
     Sg, width = gen_block_tables.shape
     # From shapes alone (no device sync): the block tables' width bounds the batch's longest context
     splits = min(SPLITS, triton.cdiv(width * block_size, KEYS_PER_SPLIT))

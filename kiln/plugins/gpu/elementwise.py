@@ -1,9 +1,10 @@
 """RMSNorm (alone, with the residual add, per head), rotary embedding and the gated activations.
 
-One program per row (a token, or a token's head), the whole row in one block: these ops are
-bandwidth bound, and a row of a decoder (hidden size up to 16k) fits one block's registers. Rows
-are read through their strides, so a q/k head view of the fused QKV output is normed and rotated
-where it lies, with no copy first. Semantics are kiln/plugins/reference.py's.
+Each program takes whole rows (tokens, or a token's heads), TILE elements' worth: these ops are
+bandwidth bound, a decoder's row (hidden size up to 16k) fits one program's registers, and short
+rows (64-wide heads) are packed several to a program rather than left to launch one each. Rows are
+read through their strides, so a q/k head view of the fused QKV output is normed and rotated where
+it lies, with no copy first. Semantics are kiln/plugins/reference.py's.
 """
 import torch
 import triton
@@ -19,26 +20,33 @@ def _tanh(x):
     return 2 * tl.sigmoid(2 * x) - 1
 
 
+TILE = 4096  # elements per program: several short rows in one (a 64-wide head norm), one row of 4096
+
+
+def _rows_per_program(width: int) -> int:
+    return max(1, TILE // triton.next_power_of_2(width))
+
+
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, heads, stride_t, stride_h, res_stride,
-                     D, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows, heads, stride_t, stride_h, res_stride,
+                     D, eps, ADD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     t, h = row // heads, row % heads
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (row < rows) & (cols < D)
     x = tl.load(x_ptr + t * stride_t + h * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD:  # the residual stream is kept in the model dtype, as HF keeps it: round before the norm
         r = x + tl.load(res_ptr + t * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
         r = r.to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * D + cols, r, mask=mask)
         x = r.to(tl.float32)
-    inv = 1 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * D + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+    inv = 1 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + cols, (x * inv[:, None] * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor):
-    """(rows, heads, stride of a token, stride of a head) of x [..., D] (2-D or 3-D, last dim dense)."""
+    """(x, rows, heads, stride of a token, stride of a head) of x [T, D] or [T, H, D], its last dim dense."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if x.dim() == 2:
@@ -56,8 +64,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x, rows, heads, stride_t, stride_h = _rows(x)
     out = x.new_empty(x.shape)
     D = x.shape[-1]
-    wrap_triton(_rms_norm_kernel)[(rows,)](x, x, weight, out, out, heads, stride_t, stride_h, 0, D, eps,
-                                           ADD=False, BLOCK=triton.next_power_of_2(D))
+    per = _rows_per_program(D)
+    wrap_triton(_rms_norm_kernel)[(triton.cdiv(rows, per),)](
+        x, x, weight, out, out, rows, heads, stride_t, stride_h, 0, D, eps, ADD=False, ROWS=per,
+        BLOCK=triton.next_power_of_2(D))
     return out
 
 
@@ -72,36 +82,40 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     x, residual = x.contiguous(), residual.contiguous()
     out, res_out = x.new_empty(x.shape), x.new_empty(x.shape)
     T, D = x.shape
-    wrap_triton(_rms_norm_kernel)[(T,)](x, residual, weight, out, res_out, 1, D, 0, D, D, eps,
-                                        ADD=True, BLOCK=triton.next_power_of_2(D))
+    per = _rows_per_program(D)
+    wrap_triton(_rms_norm_kernel)[(triton.cdiv(T, per),)](
+        x, residual, weight, out, res_out, T, 1, D, 0, D, D, eps, ADD=True, ROWS=per,
+        BLOCK=triton.next_power_of_2(D))
     return out, res_out
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_t, stride_h, D, HALF,
-                   BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0)
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, heads, stride_t, stride_h, D, HALF,
+                   ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # rows: (token, head)
     t, h = row // heads, row % heads
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    m = (row < rows) & (i < HALF)
     src, dst = x_ptr + t * stride_t + h * stride_h, out_ptr + row * D
-    i = tl.arange(0, BLOCK_HALF)
-    m = i < HALF
     c = tl.load(cos_ptr + t * HALF + i, mask=m, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * HALF + i, mask=m, other=0.0).to(tl.float32)
     x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
     tl.store(dst + i, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=m)
     tl.store(dst + HALF + i, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=m)
-    j = 2 * HALF + tl.arange(0, BLOCK_D)  # partial rotary: the rest passes through
-    tl.store(dst + j, tl.load(src + j, mask=j < D, other=0.0), mask=j < D)
+    j = 2 * HALF + tl.arange(0, BLOCK_D)[None, :]  # partial rotary: the rest passes through
+    rest = (row < rows) & (j < D)
+    tl.store(dst + j, tl.load(src + j, mask=rest, other=0.0), mask=rest)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x, rows, heads, stride_t, stride_h = _rows(x)
     out = x.new_empty(x.shape)
     half, D = cos.shape[-1], x.shape[-1]
-    wrap_triton(_rotary_kernel)[(rows,)](x, cos.contiguous(), sin.contiguous(), out, heads, stride_t, stride_h, D,
-                                         half, BLOCK_HALF=triton.next_power_of_2(half),
-                                         BLOCK_D=triton.next_power_of_2(max(D - 2 * half, 1)))
+    per = _rows_per_program(D)
+    wrap_triton(_rotary_kernel)[(triton.cdiv(rows, per),)](
+        x, cos.contiguous(), sin.contiguous(), out, rows, heads, stride_t, stride_h, D, half, ROWS=per,
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(max(D - 2 * half, 1)))
     return out
 
 
@@ -118,10 +132,10 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 @triton.jit
-def _gated_kernel(x_ptr, out_ptr, stride_t, N, GELU: tl.constexpr, BLOCK: tl.constexpr):
-    t, b = tl.program_id(0), tl.program_id(1)
-    i = b * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
+def _gated_kernel(x_ptr, out_ptr, T, stride_t, N, GELU: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    m = (t < T) & (i < N)
     gate = tl.load(x_ptr + t * stride_t + i, mask=m, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + t * stride_t + N + i, mask=m, other=0.0).to(tl.float32)
     if GELU:  # tanh approximation (gelu_pytorch_tanh)
@@ -136,7 +150,9 @@ def _gated(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     T, N = x.shape[0], x.shape[1] // 2
     out = x.new_empty(T, N)
     block = min(1024, triton.next_power_of_2(N))
-    wrap_triton(_gated_kernel)[(T, triton.cdiv(N, block))](x, out, x.stride(0), N, GELU=gelu, BLOCK=block)
+    per = _rows_per_program(block)
+    wrap_triton(_gated_kernel)[(triton.cdiv(T, per), triton.cdiv(N, block))](x, out, T, x.stride(0), N, GELU=gelu,
+                                                                              ROWS=per, BLOCK=block)
     return out
 
 

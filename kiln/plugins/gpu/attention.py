@@ -32,7 +32,7 @@ from kiln.plugins.gpu.elementwise import _tanh
 SPLITS = 16  # most decode splits per (sequence, KV head): 16 x 8 KV heads fill an H100 at batch 1
 KEYS_PER_SPLIT = 128  # fewer splits for short contexts, where a split's fixed cost is most of its work
 CONTEXT_ROWS = 64  # context rows per program (queries x their KV head's query heads), at least 16 queries
-NEG = -1.0e30  # a masked score: finite, so that a row with nothing to see stays 0 instead of NaN
+NEG = tl.constexpr(-1.0e30)  # a masked score: finite, so that a row with nothing to see stays 0 instead of NaN
 
 
 @triton.jit
@@ -94,8 +94,8 @@ def kv_cache_write(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch
 
 
 @triton.jit
-def _scores(q, k, scale, softcap, SOFTCAP: tl.constexpr):
-    s = tl.dot(q, tl.trans(k)) * scale
+def _scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     if SOFTCAP:
         s = _tanh(s / softcap) * softcap
     return s
@@ -103,7 +103,7 @@ def _scores(q, k, scale, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, kv_base, table_ptr, keys, lo, length, pos, d, dm, block_size, s_block, s_pos,
-                 s_kv, kv_scale, scale, window, softcap, SOFTCAP: tl.constexpr):
+                 s_kv, kv_scale, scale, window, softcap, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     """One step of the online softmax: the rows' queries (at positions pos) against keys."""
     kin = (keys >= lo) & (keys < length)
     block = tl.load(table_ptr + keys // block_size, mask=kin, other=0).to(tl.int64)
@@ -111,7 +111,7 @@ def _attend_tile(q, m_i, l_i, acc, kv_base, table_ptr, keys, lo, length, pos, d,
     kmask = kin[:, None] & dm[None, :]
     k = tl.load(addr, mask=kmask, other=0.0).to(tl.float32) * kv_scale
     v = tl.load(addr + s_kv, mask=kmask, other=0.0).to(tl.float32) * kv_scale
-    sc = _scores(q, k, scale, softcap, SOFTCAP)
+    sc = _scores(q, k, scale, softcap, SOFTCAP, PRECISION)
     seen = kin[None, :] & (keys[None, :] <= pos[:, None])
     if window > 0:
         seen = seen & (keys[None, :] > pos[:, None] - window)
@@ -119,7 +119,7 @@ def _attend_tile(q, m_i, l_i, acc, kv_base, table_ptr, keys, lo, length, pos, d,
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
     p = tl.where(seen, tl.exp(sc - m_new[:, None]), 0.0)
     alpha = tl.exp(m_i - m_new)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p, v)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def _count_valid(row_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _context_kernel(q_ptr, kv_ptr, scale_ptr, out_ptr, token_ptr, tables_ptr, lens_ptr, layer, heads, group,
                     q_stride_t, q_stride_h, s_layer, s_kv, s_block, s_pos, tok_stride, table_stride, block_size,
-                    D, scale, window, softcap, QUANT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    D, scale, window, softcap, QUANT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     s, kh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = _count_valid(token_ptr + s * tok_stride, tok_stride, BLOCK_M)  # the chunk's queries: a prefix
@@ -163,7 +163,7 @@ def _context_kernel(q_ptr, kv_ptr, scale_ptr, out_ptr, token_ptr, tables_ptr, le
             keys = start + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, tables_ptr + s * table_stride, keys, lo, end,
                                          pos, d, dm, block_size, s_block, s_pos, s_kv, kv_scale, scale, window,
-                                         softcap, SOFTCAP)
+                                         softcap, SOFTCAP, PRECISION)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         optr = out_ptr + tokens[:, None] * (heads * D) + h[:, None] * D + d[None, :]
         tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dm[None, :])
@@ -172,7 +172,7 @@ def _context_kernel(q_ptr, kv_ptr, scale_ptr, out_ptr, token_ptr, tables_ptr, le
 @triton.jit
 def _decode_kernel(q_ptr, kv_ptr, scale_ptr, m_ptr, l_ptr, acc_ptr, token_ptr, tables_ptr, lens_ptr, layer, heads,
                    group, q_stride_t, q_stride_h, s_layer, s_kv, s_block, s_pos, table_stride, block_size,
-                   D, scale, window, softcap, splits, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   D, scale, window, softcap, splits, QUANT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     s, kh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens_ptr + s)
@@ -199,7 +199,8 @@ def _decode_kernel(q_ptr, kv_ptr, scale_ptr, m_ptr, l_ptr, acc_ptr, token_ptr, t
     for start in range(first, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, tables_ptr + s * table_stride, keys, first, end, pos,
-                                     d, dm, block_size, s_block, s_pos, s_kv, kv_scale, scale, window, softcap, SOFTCAP)
+                                     d, dm, block_size, s_block, s_pos, s_kv, kv_scale, scale, window, softcap, SOFTCAP,
+                                     PRECISION)
     row = (s * heads + heads_of) * splits + split  # partials [Sg, H, splits] (acc: times D)
     tl.store(m_ptr + row, m_i, mask=gm)
     tl.store(l_ptr + row, l_i, mask=gm)
@@ -243,7 +244,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, ctx_tok
     scale_arg = kv_scale if quant else kv_cache
     strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     block_d = max(16, triton.next_power_of_2(D))
-    common = dict(QUANT=quant, SOFTCAP=bool(softcap), BLOCK_N=32, BLOCK_D=block_d)
+    # float32 models: exact products (a float32 engine is the HF-parity reference); 16-bit ones: TF32,
+    # exact for their q and k, and for the probabilities finer than the 16-bit p flash attention uses
+    common = dict(QUANT=quant, SOFTCAP=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  BLOCK_N=32, BLOCK_D=block_d)
     Sc, Q = ctx_token_index.shape
     block_m = max(16, CONTEXT_ROWS // group)
     wrap_triton(_context_kernel)[(Sc, KH, triton.cdiv(Q, block_m))](

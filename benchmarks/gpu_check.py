@@ -4,8 +4,9 @@
   TRITON_INTERPRET=1 python benchmarks/gpu_check.py --device cpu --quick   # this script's own smoke run
 
 Sections (each row: what, result, figure):
-1. kernels: the kernel tests (tests/test_gpu_*.py, written for CPU tensors) with every kiln_gpu op
-   run on the GPU: its tensor arguments copied there, its results (and what it mutates) copied back.
+1. kernels: the kernel tests (tests/test_gpu_kernels.py and its siblings, written for CPU tensors)
+   with every kiln_gpu op run on the GPU: its tensor arguments copied there, its results (and what
+   it mutates) copied back.
 2. parity: tiny Llama-3.2, Qwen2.5, Gemma 2 and Mixtral (tests/published_models.py, random weights)
    on the Triton op set against HF transformers: float32 greedy tokens, bfloat16 top-1 agreement
    along HF's greedy paths.

@@ -1,7 +1,7 @@
 """Paged attention over the KV pool, and the KV write into it.
 
-The pool is the engine's [layers, 2, blocks, block_size, KV heads, D] (DESIGN.md, "The engine
-format"); a request's pages are its row of a block table. Both phases read pages in place, one
+The pool is the engine's [layers, 2, blocks, block_size, KV heads, D] (DESIGN.md, "The engine format");
+a request's pages are its row of a block table. Both phases read pages in place, one
 page per inner step, and never read a page wholly before a sliding window (the KV cache manager
 may have freed it: its block table entry is -1).
 

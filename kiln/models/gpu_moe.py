@@ -4,9 +4,10 @@ Semantics are MoeMLP's (kiln/models/moe.py), which are HF's: the router is a pla
 model dtype, routed in torch (a float32 softmax over all experts, top-k, optionally renormalized,
 cast back to the model dtype); the experts this rank holds (kiln/layout.py) run in one grouped GEMM
 launch per projection, with their fc rows reordered gate first; a shared expert (Qwen2-MoE) is a
-dense MLP on silu_and_mul and plain linears, scaled by sigmoid(x . shared_expert_gate). The layer
-returns this rank's partial sum; the caller's all-reduce completes it across ranks. Routing stays in
-torch (small [T, experts] ops the graph compiler fuses); the experts are the step's big GEMMs.
+dense MLP on silu_and_mul and the GPU linears (gpu_linear.py), scaled by
+sigmoid(x . shared_expert_gate). The layer returns this rank's partial sum; the caller's all-reduce
+completes it across ranks. Routing stays in torch (small [T, experts] ops the graph compiler fuses);
+the experts are the step's big GEMMs.
 """
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,8 @@ from torch import nn
 
 from kiln.config import ConfigError, PretrainedConfig, torch_dtype
 from kiln.layout import SHARED, expert_range
-from kiln.models.linear import make_linear, quant_algo_of
+from kiln.models.gpu_linear import make_linear
+from kiln.models.linear import quant_algo_of
 from kiln.models.moe import _gate_first
 
 EXPERT_ALGOS = (None, "W8A16")

@@ -321,7 +321,8 @@ def main():
     import triton
 
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "none"
-    print(f"gpu_check: {gpu}; torch {torch.__version__}; triton {triton.__version__}; CPU {platform.processor() or '?'}; "
+    print(f"gpu_check: {gpu}; torch {torch.__version__}; triton {triton.__version__}; "
+          f"CPU {platform.processor() or '?'}; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
     start = time.time()
     if "kernels" in args.sections:

@@ -134,8 +134,8 @@ def _count_valid(row_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _context_kernel(q_ptr, kv_ptr, scale_ptr, out_ptr, token_ptr, tables_ptr, lens_ptr, layer, heads, group,
                     q_stride_t, q_stride_h, s_layer, s_kv, s_block, s_pos, tok_stride, table_stride, block_size,
-                    D, scale, window, softcap, QUANT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    D, scale, window, softcap, QUANT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     s, kh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = _count_valid(token_ptr + s * tok_stride, tok_stride, BLOCK_M)  # the chunk's queries: a prefix
     if mb * BLOCK_M < count:
@@ -170,10 +170,10 @@ def _context_kernel(q_ptr, kv_ptr, scale_ptr, out_ptr, token_ptr, tables_ptr, le
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kv_ptr, scale_ptr, m_ptr, l_ptr, acc_ptr, token_ptr, tables_ptr, lens_ptr, layer, heads,
-                   group, q_stride_t, q_stride_h, s_layer, s_kv, s_block, s_pos, table_stride, block_size,
-                   D, scale, window, softcap, splits, QUANT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_kernel(q_ptr, kv_ptr, scale_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, token_ptr, tables_ptr, lens_ptr, layer,
+                   heads, group, q_stride_t, q_stride_h, s_layer, s_kv, s_block, s_pos, table_stride, block_size,
+                   D, scale, window, softcap, splits, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     s, kh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens_ptr + s)
     lo = 0
@@ -201,28 +201,34 @@ def _decode_kernel(q_ptr, kv_ptr, scale_ptr, m_ptr, l_ptr, acc_ptr, token_ptr, t
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_base, tables_ptr + s * table_stride, keys, first, end, pos,
                                      d, dm, block_size, s_block, s_pos, s_kv, kv_scale, scale, window, softcap, SOFTCAP,
                                      PRECISION)
-    row = (s * heads + heads_of) * splits + split  # partials [Sg, H, splits] (acc: times D)
-    tl.store(m_ptr + row, m_i, mask=gm)
-    tl.store(l_ptr + row, l_i, mask=gm)
-    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None] & dm[None, :])
+    if splits == 1:  # the whole context in this program: the output itself, no merge
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        optr = out_ptr + token * (heads * D) + heads_of[:, None] * D + d[None, :]
+        tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+    else:
+        row = (s * heads + heads_of) * splits + split  # partials [Sg, H, splits] (acc: times D)
+        tl.store(m_ptr + row, m_i, mask=gm)
+        tl.store(l_ptr + row, l_i, mask=gm)
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None] & dm[None, :])
 
 
 @triton.jit
 def _merge_kernel(m_ptr, l_ptr, acc_ptr, token_ptr, out_ptr, heads, D, splits, SPLITS: tl.constexpr,
                   BLOCK_D: tl.constexpr):
     s, h = tl.program_id(0), tl.program_id(1)
-    base = (s * heads + h) * splits
-    i = tl.arange(0, SPLITS)
-    im = i < splits
-    d = tl.arange(0, BLOCK_D)
-    m = tl.load(m_ptr + base + i, mask=im, other=NEG)
-    l_split = tl.load(l_ptr + base + i, mask=im, other=0.0)
-    w = tl.exp(m - tl.max(m, axis=0)) * (l_split > 0)  # empty splits weigh nothing
-    l_sum = tl.sum(w * l_split, axis=0)
-    acc = tl.load(acc_ptr + (base + i)[:, None] * D + d[None, :], mask=im[:, None] & (d[None, :] < D), other=0.0)
-    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum > 0, l_sum, 1.0)
-    token = tl.load(token_ptr + s)
-    tl.store(out_ptr + token * (heads * D) + h * D + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
+    if splits > 1:  # (one split: the decode kernel wrote the output)
+        base = (s * heads + h) * splits
+        i = tl.arange(0, SPLITS)
+        im = i < splits
+        d = tl.arange(0, BLOCK_D)
+        m = tl.load(m_ptr + base + i, mask=im, other=NEG)
+        l_split = tl.load(l_ptr + base + i, mask=im, other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0)) * (l_split > 0)  # empty splits weigh nothing
+        l_sum = tl.sum(w * l_split, axis=0)
+        acc = tl.load(acc_ptr + (base + i)[:, None] * D + d[None, :], mask=im[:, None] & (d[None, :] < D), other=0.0)
+        o = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum > 0, l_sum, 1.0)
+        token = tl.load(token_ptr + s)
+        tl.store(out_ptr + token * (heads * D) + h * D + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 def _paged_attention_fake(q, kv_cache, layer, ctx_token_index, ctx_block_tables, ctx_context_lens, gen_token_index,
@@ -261,8 +267,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, ctx_tok
     l_sum = torch.empty_like(m)
     acc = q.new_empty(Sg, H, splits, D, dtype=torch.float32)
     wrap_triton(_decode_kernel)[(Sg, KH, splits)](
-        q, kv_cache, scale_arg, m, l_sum, acc, gen_token_index, gen_block_tables, gen_context_lens, layer, H, group,
-        q.stride(0), q.stride(1), *strides, gen_block_tables.stride(0), block_size, D, scale, window, softcap, splits,
+        q, kv_cache, scale_arg, m, l_sum, acc, out, gen_token_index, gen_block_tables, gen_context_lens, layer, H,
+        group, q.stride(0), q.stride(1), *strides, gen_block_tables.stride(0), block_size, D, scale, window, softcap,
+        splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), **common)
     wrap_triton(_merge_kernel)[(Sg, H)](m, l_sum, acc, gen_token_index, out, H, D, splits, SPLITS=SPLITS,
                                         BLOCK_D=triton.next_power_of_2(D))

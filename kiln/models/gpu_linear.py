@@ -18,9 +18,9 @@ Scales stay float32 (the checkpoint's), so a bf16 model's quantized GEMM rounds 
 import torch
 from torch import nn
 
-from kiln.config import ConfigError, PretrainedConfig, torch_dtype
-from kiln.models.linear import (INT4_ALGOS, SUPPORTED_QUANT_ALGOS, ConcatLinear, Linear, _fp8_weight_and_scale,
-                                _NotFusable, _shared, quant_algo_of)
+from kiln.config import ConfigError, PretrainedConfig
+from kiln.models import linear
+from kiln.models.linear import INT4_ALGOS, SUPPORTED_QUANT_ALGOS, Linear, _fp8_weight_and_scale, _shared, quant_algo_of
 from kiln.plugins import quant
 from kiln.plugins.gpu import gemm
 
@@ -96,14 +96,8 @@ def _build(algo, parts, dtype, group_size, bias):
 
 def make_linear(config: PretrainedConfig, weights: dict, names: list[str], bias=None) -> nn.Module:
     """One layer for the checkpoint linears `names` (full names, sharing their input), fused where exact."""
-    algo, dtype, g = quant_algo_of(config, names[0]), torch_dtype(config.dtype), config.quantization.group_size
+    algo = quant_algo_of(config, names[0])
     if algo is not None and algo not in SUPPORTED_QUANT_ALGOS:
         raise ConfigError(f"quantization.quant_algo {algo!r} is not supported by the GPU GEMMs; expected one of "
                           f"{', '.join(SUPPORTED_QUANT_ALGOS)}")
-    parts = [{key[len(n) + 1:]: t for key, t in weights.items() if key.startswith(n + ".") and key != n + ".bias"}
-             for n in names]
-    try:
-        return _build(algo, parts, dtype, g, bias)
-    except _NotFusable:
-        assert bias is None, "only qkv has a bias, and it is one checkpoint linear"
-        return ConcatLinear([_build(algo, [p], dtype, g, None) for p in parts])
+    return linear.make_linear(config, weights, names, bias, build=_build)

@@ -268,13 +268,15 @@ def _build_packed(algo, parts, dtype, group_size, bias):
     return PackedLinear(gemm.pack(weight), n, k, gemm.pack_scale(scale, n), bias, 0, pqs, act_scale, act_dtype)
 
 
-def make_linear(config: PretrainedConfig, weights: dict, names: list[str], bias=None, packed=False) -> nn.Module:
+def make_linear(config: PretrainedConfig, weights: dict, names: list[str], bias=None, packed=False,
+                build=None) -> nn.Module:
     """One layer for the checkpoint linears `names` (full names, sharing their input), fused where exact;
-    packed: on the C++ GEMM plugin instead of ATen's kernels."""
+    packed: on the C++ GEMM plugin instead of ATen's kernels; build: another family's layers, with
+    _build's signature (kiln/models/gpu_linear.py)."""
     algo, dtype, g = quant_algo_of(config, names[0]), torch_dtype(config.dtype), config.quantization.group_size
     parts = [{key[len(n) + 1:]: t for key, t in weights.items() if key.startswith(n + ".") and key != n + ".bias"}
              for n in names]
-    build = _build_packed if packed else _build
+    build = build or (_build_packed if packed else _build)
     try:
         return build(algo, parts, dtype, g, bias)
     except _NotFusable:

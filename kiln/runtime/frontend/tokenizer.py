@@ -16,10 +16,32 @@ def load_tokenizer(engine_dir):
         raise ConfigError(f"engine dir {engine_dir} has no tokenizer (none of "
                           f"{', '.join(TOKENIZER_VOCAB_FILES)}): {fix}")
     try:
+        if _class_of(engine_dir) == "TokenizersBackend":
+            # transformers 5's name for a plain tokenizer.json tokenizer, which transformers 4 has as
+            # PreTrainedTokenizerFast (and its AutoTokenizer cannot resolve the name)
+            from transformers import PreTrainedTokenizerFast
+            from transformers.utils import logging
+
+            verbosity = logging.get_verbosity()
+            logging.set_verbosity_error()  # its warning that the class named differs is this very case
+            try:
+                return PreTrainedTokenizerFast.from_pretrained(str(engine_dir))
+            finally:
+                logging.set_verbosity(verbosity)
         return AutoTokenizer.from_pretrained(str(engine_dir))
     except Exception as e:  # transformers' own errors say nothing about where the files came from
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"cannot load the tokenizer in engine dir {engine_dir} ({first}): {fix}") from None
+
+
+def _class_of(engine_dir) -> str | None:
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(engine_dir) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def frontend_tokenizer(engine_dir, tokenizer, skip_tokenizer_init: bool):

@@ -50,6 +50,11 @@ def convert_checkpoint(
     cfg = pretrained_config_from_hf(hf, dtype, tp_size, pp_size, model_dir / "config.json", moe_tp_size, moe_ep_size)
     if (moe_tp_size or moe_ep_size) and not cfg.moe.num_experts:
         raise ConfigError(f"--moe_tp_size / --moe_ep_size split a mixture of experts; {cfg.architecture} has none")
+    from kiln.convert.prequant import detect
+
+    reader = detect(hf)
+    if reader is not None:
+        return _convert_prequantized(cfg, reader, quant, model_dir, output_dir, log or (lambda _: None))
     if quant is not None and quant.enabled:
         return _convert_quantized(cfg, quant, model_dir, output_dir, log or (lambda _: None))
     check_output_dir(model_dir, output_dir)
@@ -80,6 +85,29 @@ def _convert_quantized(cfg, quant, model_dir: Path, output_dir: Path, log) -> Pa
     ranks = (rank_tensors(cfg, tensors, r) for r in range(cfg.mapping.world_size))
     write_ranks(cfg, ranks, model_dir, output_dir, {REPORT_FILE: report} if report else None)
     return output_dir
+
+
+def _convert_prequantized(cfg, reader, quant, model_dir: Path, output_dir: Path, log) -> Path:
+    """A GPTQ/AWQ/compressed-tensors/ModelOpt/bitsandbytes checkpoint, read without re-quantizing."""
+    from kiln.convert.hf import HFWeights
+    from kiln.convert.prequant.convert import convert
+    from kiln.convert.quantize.pipeline import rank_tensors
+    from kiln.convert.writer import check_output_dir, write_ranks
+
+    if quant is not None and quant.kv_cache_dtype:
+        raise ConfigError(f"--kv_cache_dtype {quant.kv_cache_dtype} calibrates the unquantized model, which this "
+                          f"checkpoint ({reader.describe()}) is not; build the engine with an unquantized KV cache")
+    check_output_dir(model_dir, output_dir)
+    with HFWeights(model_dir) as weights:
+        outcome = convert(cfg, reader, weights, quant.qformat if quant else None, log)
+    log(outcome.note)
+    ranks = (rank_tensors(outcome.cfg, outcome.tensors, r) for r in range(outcome.cfg.mapping.world_size))
+    write_ranks(outcome.cfg, ranks, model_dir, output_dir, {PREQUANT_FILE: {"source": reader.describe(),
+                                                                            "conversion": outcome.note}})
+    return output_dir
+
+
+PREQUANT_FILE = "prequantized.json"  # what the checkpoint was read from, and how
 
 
 def auto_dtype(model_dir: Path) -> str:
@@ -242,7 +270,7 @@ def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | Non
         ctx.exit(1)
     if quiet:
         return
-    if quant is not None:
+    if quant is not None and not (output_dir / PREQUANT_FILE).is_file():  # pre-quantized: said as it converted
         _echo_report(output_dir)
     click.echo(summary(arch, output_dir, time.perf_counter() - start, _quant_note(quant, output_dir)))
 

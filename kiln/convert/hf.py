@@ -172,9 +172,10 @@ class HFWeights:
             return whole.narrow(dim, start, stop - start)
         if name not in self._handles:
             raise CheckpointError(f"tensor {name!r} not found in {self._where(name)}")
-        piece = self._handles[name].get_slice(self._stored.get(name, name))
-        index = (slice(None),) * dim + (slice(start, stop),)
+        stored = self._stored.get(name, name)
         try:
-            return piece[index]
+            if start is None and stop is None:  # whole (and a 0-d scale cannot be sliced)
+                return self._handles[name].get_tensor(stored)
+            return self._handles[name].get_slice(stored)[(slice(None),) * dim + (slice(start, stop),)]
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {name!r} from {self._file_of[name]}: {e}") from None

@@ -37,7 +37,7 @@ Keys read (for the families in FAMILIES; "refused" names the values that are):
 | decoder_sparse_step, mlp_only_layers (Qwen2-MoE, Qwen3-MoE) | decoder_sparse_step, mlp_only_layers: layer i is MoE unless mlp_only_layers names it or (i + 1) % decoder_sparse_step != 0; the others are dense MLPs intermediate_size wide | a step below 1; mlp_only_layers not a list of integers |
 | dtype, torch_dtype | the default --dtype | dtypes other than float32/bfloat16/float16 |
 | bos_token_id, eos_token_id | stop tokens | |
-| quantization_config | | any (pre-quantized checkpoints) |
+| quantization_config | | (read by kiln/convert/prequant, not here) |
 | attn_logit_softcapping, final_logit_softcapping, logits_scaling, embedding_multiplier, residual_multiplier, attention_multiplier, query_pre_attn_scalar, use_mrope | (other families' math, where a family does not read them itself; HF's classes for it ignore them, so a config that sets them was not made for it) | any value but the neutral one |
 
 IGNORED lists the keys that do not change the forward pass at inference (dropout, initialisation,
@@ -234,10 +234,6 @@ def pretrained_config_from_hf(
 def _map(hf: dict, dtype: str | None, mapping: Mapping) -> PretrainedConfig:
     hf, arch = _text_model(hf)
     family = ARCH_FAMILY[arch]
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise ConfigError(f"pre-quantized HF checkpoints ({method}) are not supported; convert the "
-                          f"unquantized model")
     missing = [k for k in REQUIRED if hf.get(k) is None]
     if missing:
         raise ConfigError(f"missing field(s): {', '.join(missing)}")

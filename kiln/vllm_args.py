@@ -13,8 +13,14 @@ from pathlib import Path
 from kiln.config import ConfigError, EngineConfig
 from kiln.convert.hf_config import default_dtype, pretrained_config_from_hf, read_hf_config
 
-# --quantization -> the quant_algo an engine (or checkpoint) of it has
-QUANTIZATIONS = {"fp8": "FP8", "awq": "W4A16_AWQ", "gptq": "W4A16_GPTQ", "smoothquant": "W8A8_SQ_PER_CHANNEL"}
+# --quantization -> the quant_algos an engine made from a checkpoint of it has (a bitsandbytes one is
+# dequantized: unquantized, or round-to-nearest where convert_checkpoint --qformat asked)
+QUANTIZATIONS = {"fp8": ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"), "awq": ("W4A16_AWQ",), "gptq": ("W4A16_GPTQ", "W8A16"),
+                 "smoothquant": ("W8A8_SQ_PER_CHANNEL",),
+                 "compressed-tensors": ("W4A16", "W8A16", "FP8", "FP8_PER_CHANNEL_PER_TOKEN"),
+                 "modelopt": ("FP8",), "bitsandbytes": (None, "W4A16", "W8A16")}
+# vLLM's faster kernels' names for a method's checkpoints, which it takes for them
+QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMATS = ("auto", "safetensors")
 
@@ -95,6 +101,7 @@ LORA_MODULES = ["attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_
 def _check_values(args: EngineArgs) -> None:
     if args.dtype not in DTYPES:
         raise ConfigError(f"dtype {args.dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
+    args.quantization = QUANTIZATION_ALIASES.get(args.quantization, args.quantization)
     if args.quantization is not None and args.quantization not in QUANTIZATIONS:
         raise ConfigError(f"quantization {args.quantization!r} is not supported by Kiln; expected one of "
                           f"{', '.join(QUANTIZATIONS)}")
@@ -115,12 +122,17 @@ def _dtype(args: EngineArgs, hf: dict) -> str | None:
 
 
 def _qformat(args: EngineArgs, hf: dict) -> str | None:
-    quantized = hf.get("quantization_config")
-    if quantized is not None:
-        raise ConfigError(f"model {args.model} is a pre-quantized checkpoint ({quantized.get('quant_method')}), which "
-                          f"Kiln does not read yet; convert the unquantized model with --quantization fp8, or "
-                          f"convert_checkpoint --qformat")
-    if args.quantization in ("awq", "gptq", "smoothquant"):
+    if hf.get("quantization_config") is not None:
+        from kiln.convert.prequant import detect
+
+        reader = detect(hf)  # refuses, naming it, a format or field Kiln cannot read
+        fp8 = args.quantization == "fp8" and reader.exact and not reader.bits  # FP8 weights, whoever made them
+        if args.quantization not in (None, reader.method) and not fp8:
+            raise ConfigError(f"Quantization method specified in the model config ({reader.method}) does not match "
+                              f"the quantization method specified in the `quantization` argument "
+                              f"({args.quantization})")
+        return None  # the converter reads it as it is
+    if args.quantization not in (None, "fp8"):
         raise ConfigError(f"quantization {args.quantization}: model {args.model} is not {args.quantization}-"
                           f"quantized (its config.json has no quantization_config); vLLM refuses this too. Convert "
                           f"it with convert_checkpoint --qformat int4_awq|int4_gptq|int8_sq and serve the engine")
@@ -158,7 +170,7 @@ def _check_engine(args: EngineArgs, engine: EngineConfig) -> None:
         raise ConfigError(f"dtype {args.dtype}: the engine {args.model} holds {p.dtype} weights; pass --dtype auto or "
                           f"rebuild it")
     algo = p.quantization.quant_algo
-    if args.quantization is not None and QUANTIZATIONS[args.quantization] != algo:
+    if args.quantization is not None and algo not in QUANTIZATIONS[args.quantization]:
         raise ConfigError(f"quantization {args.quantization}: the engine {args.model} is {algo or 'unquantized'}")
     if args.enforce_eager and b.backend != "eager":
         args.notes.append(f"enforce_eager: the engine {args.model} is {b.backend}-compiled; it runs as built (build "

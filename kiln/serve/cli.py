@@ -94,9 +94,10 @@ def option(group: str, *names, **kwargs):
         type=click.Choice(["auto", "half", "float16", "bfloat16", "float", "float32"]),
         help="Weights' dtype: an engine's must match; a model is converted to it (auto: the checkpoint's, float32 "
              "as float16).")
-@option("ModelConfig", "--quantization", "-q", default=None, type=click.Choice(["fp8", "awq", "gptq", "smoothquant"]),
-        help="Checked against the engine's quant_algo (FP8, W4A16_AWQ, W4A16_GPTQ, W8A8_SQ_PER_CHANNEL); fp8 converts "
-             "an unquantized model to FP8 (ModelOpt calibration).")
+@option("ModelConfig", "--quantization", "-q", default=None, type=click.Choice(["fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "modelopt",
+                           "bitsandbytes", "smoothquant"]),
+        help="Checked against a pre-quantized model's quantization_config (its quant_method; fp8: FP8 weights of any "
+             "producer), or an engine's quant_algo; fp8 converts an unquantized model to FP8 (ModelOpt calibration).")
 @option("ModelConfig", *_both("max_model_len"), type=int, default=None,
         help="Prompt + output tokens per request: at most the engine's max_seq_len (requests beyond it are refused); "
              "a model is built for it (default: its max_position_embeddings).")

@@ -14,20 +14,24 @@ def load_rank_weights(checkpoint_dir: Path, config: PretrainedConfig, rank: int)
     if not path.is_file():
         raise ConfigError(f"{path} not found: the checkpoint's mapping (world_size "
                           f"{config.mapping.world_size}) needs one file per rank")
-    expected = checkpoint_tensors(config, rank)
+    expected = checkpoint_tensors(config, rank, optional=True)
     dtype = torch_dtype(config.dtype)
     weights = {}
     try:
         with safe_open(str(path), framework="pt") as f:
             names = set(f.keys())
-            missing = sorted(set(expected) - names)
+            missing = sorted(n for n, spec in expected.items()
+                             if n not in names and not getattr(spec, "optional", False))
             if missing:
                 raise ConfigError(f"{path}: missing tensor {missing[0]}"
                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-            for name, (shape, kind) in expected.items():
-                t = f.get_tensor(name)
-                if tuple(t.shape) != shape:
-                    raise ConfigError(f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {shape}"
+            for name, spec in expected.items():
+                if name not in names:
+                    continue  # optional (missing ones were refused above)
+                (shape, kind), t = spec, f.get_tensor(name)
+                if tuple(t.shape) not in getattr(spec, "shapes", (shape,)):
+                    expected_shape = " or ".join(map(str, getattr(spec, "shapes", (shape,))))
+                    raise ConfigError(f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {expected_shape}"
                                       + _quantized_note(config, name))
                 weights[name] = _as_kind(t, kind, dtype, f"{path}: tensor {name}", _quantized_note(config, name))
     except ConfigError:

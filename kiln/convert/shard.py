@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from kiln.config import PretrainedConfig
+from kiln.config import ConfigError, PretrainedConfig
 from kiln.layout import (COLUMN_PARALLEL, EXPERT_LINEARS, ROW_PARALLEL, SHARED, expert_range, input_split,
                                  kv_head_range, linear_shapes, output_ranges)
 
@@ -266,8 +266,9 @@ def _rows(t: torch.Tensor, ranges: list[tuple[int, int]], out: int) -> torch.Ten
 def shard_tensor(cfg: PretrainedConfig, name: str, t: torch.Tensor, tp_rank: int) -> torch.Tensor:
     """Tensor `name` of the whole checkpoint (tp 1, any quant_algo) -> tp rank `tp_rank`'s part,
     laid out as rank_plan lays out plain tensors. Per-tensor scales (one value) are replicated;
-    per-channel and per-group scales, packed int4 rows and pre-quant scales split with the
-    dimension they belong to."""
+    per-channel and per-group scales, zero points (shaped as those), packed int4 rows and pre-quant
+    scales split with the dimension they belong to; a column-parallel linear's act-order input_index
+    stays whole (its input is)."""
     tp = cfg.mapping.tp_size
     if tp == 1:
         return t
@@ -294,10 +295,13 @@ def shard_tensor(cfg: PretrainedConfig, name: str, t: torch.Tensor, tp_rank: int
 
 def _shard_linear(cfg, linear, suffix, t, tp_rank, layer, out, inp) -> torch.Tensor:
     if linear in COLUMN_PARALLEL:
-        if suffix == "prequant_scaling_factor":  # scales the shared input
+        if suffix in ("prequant_scaling_factor", "input_index"):  # scales or orders the shared input
             return t
         return _rows(t, output_ranges(cfg, linear, tp_rank, layer), out).contiguous()
     # Row-parallel: the input dimension splits; a per-channel scale of the outputs is whole.
+    if suffix == "input_index":
+        raise ConfigError(f"{linear}.input_index (act-order) of layer {layer}: a row-parallel linear's gathered "
+                          f"input does not split by rank here; the pre-quantized converter writes its rank splits")
     parts = input_split(cfg, linear, layer)
     if suffix == "prequant_scaling_factor":
         dim, size = 0, inp

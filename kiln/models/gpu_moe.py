@@ -31,6 +31,8 @@ def _experts(config: PretrainedConfig, weights: dict, name: str) -> tuple[torch.
                           f"kernels; expected unquantized or W8A16 (convert_checkpoint --qformat int8_wo)")
     if any(key.startswith(name + ".prequant") for key in weights):
         raise ConfigError(f"{name}: pre-quant scales on experts are not supported")
+    if name + ".input_index" in weights:
+        raise ConfigError(f"{name}: act-order input_index on experts is not supported")
     order = _gate_first if name.endswith("mlp.fc") else (lambda t: t)
     w = weights[name + ".weight"]
     if algo is None:

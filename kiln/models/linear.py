@@ -6,6 +6,10 @@ scales concatenate along the output dim and per-tensor weight scales become per-
 is exact; parts whose input-side scales differ (AWQ smooths mlp.fc and mlp.gate separately) run as
 separate GEMMs whose outputs are concatenated. With packed=True (gemm_plugin "cpp") every layer is a
 PackedLinear on the C++ GEMM plugin instead of ATen's kernels.
+
+Pre-quantized checkpoints add zero points (`zero`), per-channel and per-token FP8 and act-order's
+`input_index` (kiln/plugins/quant.py says what each means). A gather is one InputGather around the
+family's layer, so linears fuse only where their input_index is the same.
 """
 from fnmatch import fnmatch
 
@@ -16,13 +20,32 @@ from kiln.config import ConfigError, PretrainedConfig, torch_dtype
 from kiln.plugins import gemm, quant
 
 INT4_ALGOS = ("W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ")
-SUPPORTED_QUANT_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", "FP8", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ")
+FP8_PER_TOKEN = "FP8_PER_CHANNEL_PER_TOKEN"
+SUPPORTED_QUANT_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", "FP8", FP8_PER_TOKEN, "W8A8_SQ_PER_CHANNEL",
+                         "W4A8_AWQ")
+ZERO_POINT_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ")
 SUPPORTED_KV_CACHE_QUANT_ALGOS = ("FP8", "INT8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 
 # Tensor kinds a checkpoint entry must have: "model" (any float, cast to the model dtype), "scale"
 # (any float, kept float32), "int4" (int8/uint8 holding two int4), or an exact torch dtype.
 INT8, FP8 = torch.int8, quant.FP8
+
+
+class Spec(tuple):
+    """(shape, kind) of a checkpoint tensor, unpacking as that pair; `shapes`: every shape the file may
+    hold (an FP8 weight scale per tensor or per channel), `optional`: the file may lack it (input_index)."""
+
+    def __new__(cls, shape, kind, shapes=(), optional=False):
+        spec = super().__new__(cls, (shape, kind))
+        spec.shapes, spec.optional = tuple(shapes) or (shape,), optional
+        return spec
+
+
+def stacked(spec, n: int):
+    """The spec of n such tensors stacked (a mixture's experts)."""
+    shape, kind = spec
+    return Spec((n, *shape), kind, [(n, *s) for s in getattr(spec, "shapes", ())], getattr(spec, "optional", False))
 
 
 def quant_algo_of(config: PretrainedConfig, name: str) -> str | None:
@@ -39,8 +62,10 @@ def has_pre_quant_scale(config: PretrainedConfig) -> bool:
     return algo in ("W8A8_SQ_PER_CHANNEL", "W4A8_AWQ") or (algo in INT4_ALGOS and config.quantization.pre_quant_scale)
 
 
-def tensor_specs(config: PretrainedConfig, name: str, out: int, inp: int) -> dict[str, tuple[tuple, object]]:
-    """name.suffix -> (shape, kind) for the tensors of checkpoint linear `name` [out, in]."""
+def tensor_specs(config: PretrainedConfig, name: str, out: int, inp: int,
+                 optional: bool = False) -> dict[str, tuple[tuple, object]]:
+    """name.suffix -> (shape, kind) for the tensors of checkpoint linear `name` [out, in]; optional: with
+    the ones a file may lack (Spec.optional), which the loader takes where present."""
     algo, g = quant_algo_of(config, name), config.quantization.group_size
     specs = {"weight": ((out, inp), "model")}
     if algo == "W8A16":
@@ -50,13 +75,19 @@ def tensor_specs(config: PretrainedConfig, name: str, out: int, inp: int) -> dic
         if algo == "W4A8_AWQ":
             specs.update(weights_scaling_factor_2=((1,), "scale"), activation_scaling_factor=((1,), "scale"))
     elif algo == "FP8":
-        specs = {"weight": ((out, inp), FP8), "weights_scaling_factor": ((1,), "scale"),
+        specs = {"weight": ((out, inp), FP8), "weights_scaling_factor": Spec((1,), "scale", [(1,), (out,)]),
                  "activation_scaling_factor": ((1,), "scale")}
+    elif algo == FP8_PER_TOKEN:
+        specs = {"weight": ((out, inp), FP8), "weights_scaling_factor": ((out,), "scale")}
     elif algo == "W8A8_SQ_PER_CHANNEL":
         specs = {"weight": ((out, inp), INT8), "weights_scaling_factor": ((out,), "scale"),
                  "activation_scaling_factor": ((1,), "scale")}
     if algo and has_pre_quant_scale(config):
         specs["prequant_scaling_factor"] = ((inp,), "model")
+    if algo in ZERO_POINT_ALGOS and config.quantization.has_zero_point:
+        specs["zero"] = (specs["weights_scaling_factor"][0], "scale")
+    if algo and optional:
+        specs["input_index"] = Spec((inp,), torch.int32, optional=True)
     return {f"{name}.{suffix}": spec for suffix, spec in specs.items()}
 
 
@@ -68,10 +99,16 @@ def check_quantization(config: PretrainedConfig) -> None:
     if q.kv_cache_quant_algo and q.kv_cache_quant_algo not in SUPPORTED_KV_CACHE_QUANT_ALGOS:
         raise ConfigError(f"quantization.kv_cache_quant_algo {q.kv_cache_quant_algo!r} is not supported; "
                           f"expected one of {', '.join(SUPPORTED_KV_CACHE_QUANT_ALGOS)}")
+    if q.has_zero_point and q.quant_algo not in ZERO_POINT_ALGOS:
+        raise ConfigError(f"quantization.has_zero_point true is not supported for {q.quant_algo}; expected "
+                          f"one of {', '.join(ZERO_POINT_ALGOS)} (or has_zero_point false)")
+    if q.has_zero_point or q.quant_algo == FP8_PER_TOKEN:
+        what = "zero points" if q.has_zero_point else q.quant_algo
+        for i in range(config.num_hidden_layers):  # the MoE ops' expert GEMMs take neither
+            if config.is_moe_layer(i) and quant_algo_of(config, f"transformer.layers.{i}.mlp.fc"):
+                raise ConfigError(f"quantization: {what} on a mixture of experts' experts (layer {i}) are not "
+                                  f"supported; exclude them (exclude_modules) or quantize them otherwise")
     if q.quant_algo in INT4_ALGOS:
-        if q.has_zero_point:
-            raise ConfigError(f"quantization.has_zero_point true is not supported for {q.quant_algo}; "
-                              f"expected symmetric int4 (has_zero_point false)")
         if q.group_size not in INT4_GROUP_SIZES:
             raise ConfigError(f"quantization.group_size {q.group_size} is not supported; expected one of "
                               f"{', '.join(map(str, INT4_GROUP_SIZES))}")
@@ -101,7 +138,9 @@ class _Quantized(nn.Module):
 
 class W8A16Linear(_Quantized):
     def forward(self, x):
-        return quant.w8a16(x, self.weight, self.scale, self.bias)
+        y = quant.w8a16(x, self.weight, self.scale, self.bias)
+        zero = getattr(self, "zero", None)  # [out, 1]: ATen's int8 kernel takes no zero point
+        return y if zero is None else (y + quant.zero_term(x, zero)).to(x.dtype)
 
 
 class W4A16Linear(_Quantized):
@@ -120,9 +159,26 @@ class FP8Linear(_Quantized):
                          self.bias).to(x.dtype)
 
 
+class FP8PerTokenLinear(_Quantized):
+    def forward(self, x):
+        return quant.fp8_per_token(x, self.weight, self.scale, self.bias)
+
+
 class W8A8Linear(_Quantized):
     def forward(self, x):
         return quant.w8a8(x, self.weight, self.scale, self.act_scale, self.pre_quant_scale, self.bias)
+
+
+class InputGather(nn.Module):
+    """Act-order (GPTQ desc_act): the layer's input columns in the order its weight was quantized."""
+
+    def __init__(self, index, layer):
+        super().__init__()
+        self.register_buffer("index", index.long())
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x.index_select(-1, self.index))
 
 
 class ConcatLinear(nn.Module):
@@ -174,6 +230,47 @@ class PackedLinear(nn.Module):
                                 self.tactics)
 
 
+class PackedEpilogueLinear(PackedLinear):
+    """A PackedLinear whose output takes terms the kernel lacks: zero points' share of the GEMM
+    (quant.zero_term of its input) and FP8_PER_CHANNEL_PER_TOKEN's per-token scale, whose rounded
+    activation rides the kernel as FP8's does. The kernel writes float32 (bias added after the token
+    scale) and the output rounds to x's dtype once, after the terms. Never fused with SiLU: the terms
+    land before the activation."""
+
+    def __init__(self, weight, n, k, scale=None, bias=None, group_size=0, pre_quant_scale=None, zero=None,
+                 per_token=False):
+        super().__init__(weight, n, k, scale, None if per_token else bias, group_size, pre_quant_scale,
+                         out_float=True)
+        self.register_buffer("zero", zero)
+        self.register_buffer("token_bias", bias if per_token else None)
+        self.per_token = per_token
+
+    @property
+    def swiglu(self):
+        return False  # what engine-build times: the plain GEMM, which forward_swiglu runs
+
+    @swiglu.setter
+    def swiglu(self, fused):
+        pass
+
+    def forward(self, x):
+        xs = x if self.pre_quant_scale is None else x * self.pre_quant_scale
+        xk = xs
+        if self.per_token:
+            s = quant.token_scale(xs)
+            xk = quant.quantize_fp8(xs, s).to(x.dtype)
+        y = gemm.gemm(xk, self.weight, self.scale, self.bias, self.n, self.group_size, True, self.tactics)
+        if self.per_token:
+            y = y * s if self.token_bias is None else y * s + self.token_bias
+        if self.zero is not None:
+            y = y + quant.zero_term(xs, self.zero)
+        return y.to(x.dtype)
+
+    def forward_swiglu(self, x):
+        gate, up = self.forward(x).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+
 def packed_lm_head(config: PretrainedConfig, weight: torch.Tensor, quantize: str = "none") -> PackedLinear:
     """The vocab GEMM (float32 logits) on the plugin. quantize (engine-build --quantize_lm_head,
     resolved by kiln.build.settings.lm_head_quantization): "int8" per row, "int4" with the checkpoint's
@@ -210,8 +307,27 @@ def _shared(parts, key):
     return first
 
 
+def _input_side(parts, key):
+    """A tensor the parts' shared input goes through (pre-quant scale, input_index): None where no part
+    has it; parts that differ (or one without) are not one GEMM."""
+    have = [key in p for p in parts]
+    if not any(have):
+        return None
+    if not all(have):
+        raise _NotFusable(key)
+    return _shared(parts, key)
+
+
+def _zero(parts):
+    """The parts' zero points as [out, groups] float32 (a W8A16 per-channel one [out, 1]); None without."""
+    if "zero" not in parts[0]:
+        return None
+    return torch.cat([p["zero"].float().reshape(p["weights_scaling_factor"].shape[0], -1) for p in parts])
+
+
 def _fp8_weight_and_scale(algo, parts, act_scale, group_size):
-    """FP8 and W4A8: the fp8 weight and act_scale * its scale, per tensor or per row."""
+    """FP8 and W4A8: the fp8 weight and act_scale * its scale, per tensor or per row (fused parts'
+    per-tensor scales that differ, or FP8's per-channel ones)."""
     if algo == "W4A8_AWQ":
         # No CPU kernel takes int4 weights with fp8 activations: the int4 weights become the fp8
         # ones they stand for (exactly) once, at build time.
@@ -221,9 +337,9 @@ def _fp8_weight_and_scale(algo, parts, act_scale, group_size):
     else:
         weight, second = torch.cat([p["weight"] for p in parts]), "weights_scaling_factor"
     rows = [p["weight"].shape[0] * (2 if algo == "W4A8_AWQ" else 1) for p in parts]
-    scales = [p[second].reshape(()) for p in parts]
-    if all(torch.equal(s, scales[0]) for s in scales):
-        return weight, act_scale * scales[0]
+    scales = [p[second].reshape(-1) for p in parts]
+    if all(s.numel() == 1 and torch.equal(s, scales[0]) for s in scales):
+        return weight, act_scale * scales[0].reshape(())
     return weight, act_scale * torch.cat([s.expand(n) for s, n in zip(scales, rows)])
 
 
@@ -233,11 +349,16 @@ def _build(algo, parts, dtype, group_size, bias):
     extra = {} if pqs is None else {"pre_quant_scale": pqs.to(dtype)}
     if algo is None:
         return Linear(cat("weight").to(dtype), bias)
+    zero = _zero(parts)
     if algo == "W8A16":
-        return W8A16Linear(bias, weight=cat("weight"), scale=cat("weights_scaling_factor").to(dtype))
+        return W8A16Linear(bias, weight=cat("weight"), scale=cat("weights_scaling_factor").to(dtype),
+                           **({} if zero is None else {"zero": zero}))
     if algo in INT4_ALGOS and algo != "W4A8_AWQ":
-        weight, scales_and_zeros = quant.int4_for_cpu(cat("weight"), cat("weights_scaling_factor"), group_size, dtype)
+        weight, scales_and_zeros = quant.int4_for_cpu(cat("weight"), cat("weights_scaling_factor"), group_size, dtype,
+                                                      zero)
         return W4A16Linear(bias, group_size, weight=weight, scales_and_zeros=scales_and_zeros, **extra)
+    if algo == FP8_PER_TOKEN:
+        return FP8PerTokenLinear(bias, weight=cat("weight"), scale=cat("weights_scaling_factor").float())
     act_scale = _shared(parts, "activation_scaling_factor").reshape(())
     if algo == "W8A8_SQ_PER_CHANNEL":
         return W8A8Linear(bias, weight=cat("weight"), act_scale=act_scale,
@@ -255,11 +376,18 @@ def _build_packed(algo, parts, dtype, group_size, bias):
     bias = None if bias is None else bias.float()
     if algo is None:
         return PackedLinear(gemm.pack(cat("weight").to(dtype)), n, k, bias=bias)
+    zero = _zero(parts)
     if algo == "W8A16":
-        return PackedLinear(gemm.pack(cat("weight")), n, k, gemm.pack_scale(cat("weights_scaling_factor"), n), bias)
+        weight, scale = gemm.pack(cat("weight")), gemm.pack_scale(cat("weights_scaling_factor"), n)
+        return PackedLinear(weight, n, k, scale, bias) if zero is None else \
+            PackedEpilogueLinear(weight, n, k, scale, bias, zero=zero)
     if algo in INT4_ALGOS and algo != "W4A8_AWQ":
         weight, scale = gemm.pack_int4(quant.unpack_int4(cat("weight")), cat("weights_scaling_factor"), group_size)
-        return PackedLinear(weight, n, k, scale, bias, group_size, pqs)
+        return PackedLinear(weight, n, k, scale, bias, group_size, pqs) if zero is None else \
+            PackedEpilogueLinear(weight, n, k, scale, bias, group_size, pqs, zero)
+    if algo == FP8_PER_TOKEN:
+        return PackedEpilogueLinear(gemm.pack(cat("weight")), n, k, gemm.pack_scale(cat("weights_scaling_factor"), n),
+                                    bias, per_token=True)
     act_scale = _shared(parts, "activation_scaling_factor").reshape(()).float()
     if algo == "W8A8_SQ_PER_CHANNEL":
         weight, scale, act_dtype = cat("weight"), act_scale * cat("weights_scaling_factor"), torch.int8
@@ -278,7 +406,14 @@ def make_linear(config: PretrainedConfig, weights: dict, names: list[str], bias=
              for n in names]
     build = build or (_build_packed if packed else _build)
     try:
-        return build(algo, parts, dtype, g, bias)
+        return _gathered(build, algo, parts, dtype, g, bias)
     except _NotFusable:
         assert bias is None, "only qkv has a bias, and it is one checkpoint linear"
-        return ConcatLinear([build(algo, [p], dtype, g, None) for p in parts])
+        return ConcatLinear([_gathered(build, algo, [p], dtype, g, None) for p in parts])
+
+
+def _gathered(build, algo, parts, dtype, group_size, bias):
+    """build's layer, behind the parts' shared input_index where they have one (every family's the same)."""
+    index = _input_side(parts, "input_index")
+    layer = build(algo, [{k: t for k, t in p.items() if k != "input_index"} for p in parts], dtype, group_size, bias)
+    return layer if index is None else InputGather(index, layer)

@@ -264,9 +264,11 @@ def checkpoint_shapes(config: PretrainedConfig, rank: int) -> dict[str, tuple[in
     return {name: shape for name, (shape, _) in checkpoint_tensors(config, rank).items()}
 
 
-def checkpoint_tensors(config: PretrainedConfig, rank: int) -> dict[str, tuple[tuple[int, ...], object]]:
+def checkpoint_tensors(config: PretrainedConfig, rank: int,
+                       optional: bool = False) -> dict[str, tuple[tuple[int, ...], object]]:
     """Every tensor name a rank's checkpoint file must hold -> (shape, kind): kinds as in
-    kiln.models.linear ("model", "scale", "int4" or an exact dtype)."""
+    kiln.models.linear ("model", "scale", "int4" or an exact dtype); optional: with those it may hold
+    (kiln.models.linear.Spec)."""
     m = config.mapping
     pp_rank = m.pp_rank(rank)
     hidden, D = config.hidden_size, config.head_size
@@ -283,11 +285,11 @@ def checkpoint_tensors(config: PretrainedConfig, rank: int) -> dict[str, tuple[t
         specs.update({p + n + ".weight": ((hidden,), model) for n in norms})
         linears = [("attention.qkv", qkv_out, hidden), ("attention.dense", hidden, config.heads_per_rank * D)]
         if config.is_moe_layer(i):
-            specs.update(moe_tensor_specs(config, p, rank))
+            specs.update(moe_tensor_specs(config, p, rank, optional))
         else:
             linears += [("mlp.fc", inter, hidden), ("mlp.gate", inter, hidden), ("mlp.proj", hidden, inter)]
         for name, out, inp in linears:
-            specs.update(tensor_specs(config, p + name, out, inp))
+            specs.update(tensor_specs(config, p + name, out, inp, optional))
         if config.attn_bias:
             specs[p + "attention.qkv.bias"] = ((qkv_out,), model)
         if config.qk_layernorm:

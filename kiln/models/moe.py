@@ -15,25 +15,27 @@ from torch import nn
 
 from kiln.config import ConfigError, PretrainedConfig, torch_dtype
 from kiln.layout import SHARED, expert_range
-from kiln.models.linear import Linear, PackedLinear, make_linear, quant_algo_of, tensor_specs
+from kiln.models.linear import Linear, PackedLinear, make_linear, quant_algo_of, stacked, tensor_specs
 from kiln.plugins import gemm, quant
 
 EXPERT_ALGOS = (None, "W8A16", "W4A16", "FP8")
 
 
-def moe_tensor_specs(config: PretrainedConfig, prefix: str, rank: int) -> dict[str, tuple[tuple, object]]:
-    """name -> (shape, kind) of a MoE layer's MLP tensors on a rank (prefix: transformer.layers.{i}.)."""
+def moe_tensor_specs(config: PretrainedConfig, prefix: str, rank: int,
+                     optional: bool = False) -> dict[str, tuple[tuple, object]]:
+    """name -> (shape, kind) of a MoE layer's MLP tensors on a rank (prefix: transformer.layers.{i}.);
+    optional as linear.tensor_specs'."""
     m, hidden = config.mapping, config.hidden_size
     inter, experts = config.moe_intermediate_size // m.moe_tp_size, config.experts_per_rank
     specs = {prefix + "mlp.router.weight": ((config.moe.num_experts, hidden), "model")}
     for name, out, inp in (("mlp.fc", 2 * inter, hidden), ("mlp.proj", hidden, inter)):
-        for key, (shape, kind) in tensor_specs(config, prefix + name, out, inp).items():
+        for key, spec in tensor_specs(config, prefix + name, out, inp, optional).items():
             per_tensor = key.endswith(("activation_scaling_factor", "prequant_scaling_factor", "_2"))
-            specs[key] = (shape if per_tensor else (experts, *shape), kind)
+            specs[key] = spec if per_tensor else stacked(spec, experts)
     shared = config.moe.shared_expert_intermediate_size // m.tp_size
     if shared:
         for name, out, inp in ((SHARED[0], shared, hidden), (SHARED[1], shared, hidden), (SHARED[2], hidden, shared)):
-            specs.update(tensor_specs(config, prefix + name, out, inp))
+            specs.update(tensor_specs(config, prefix + name, out, inp, optional))
         specs[prefix + "mlp.shared_expert_gate.weight"] = ((1, hidden), "model")
     return specs
 
@@ -53,16 +55,19 @@ def _packed_experts(config: PretrainedConfig, weights: dict, name: str, n: int, 
         raise ConfigError(f"quant_algo {algo} is not supported for a mixture of experts' experts; expected "
                           f"unquantized, W8A16, W4A16 or FP8 (convert_checkpoint --qformat int8_wo / int4_wo / fp8)")
     w = weights[name + ".weight"]
-    if any(key.startswith(name + ".prequant") for key in weights):
-        raise ConfigError(f"{name}: pre-quant scales on experts are not supported")
+    for suffix, what in (("prequant_scaling_factor", "pre-quant scales"), ("zero", "zero points"),
+                         ("input_index", "act-order input_index")):
+        if name + "." + suffix in weights:
+            raise ConfigError(f"{name}: {what} on experts are not supported")
     experts = range(w.shape[0])
     if algo is None:
         return PackedLinear(torch.stack([gemm.pack(order(w[e].to(dtype))) for e in experts]), n, k)
     scale = weights[name + ".weights_scaling_factor"]
     if algo == "FP8":  # per-tensor activation scale shared by the experts, one weight scale each
         act = weights[name + ".activation_scaling_factor"].reshape(()).float()
-        return PackedLinear(torch.stack([gemm.pack(order(w[e])) for e in experts]), n, k,
-                            torch.stack([gemm.pack_scale(act * scale[e].float(), n) for e in experts]),
+        rows = lambda s: order(s) if s.numel() > 1 else s  # noqa: E731 (a per-channel scale, gate first)
+        scales = [gemm.pack_scale(act * rows(scale[e].float().reshape(-1)), n) for e in experts]
+        return PackedLinear(torch.stack([gemm.pack(order(w[e])) for e in experts]), n, k, torch.stack(scales),
                             act_scale=act, act_dtype=quant.FP8)
     if algo == "W8A16":
         return PackedLinear(torch.stack([gemm.pack(order(w[e])) for e in experts]), n, k,

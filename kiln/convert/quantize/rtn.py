@@ -60,19 +60,26 @@ def quantize_linear(w: torch.Tensor, quant_algo: str, group_size: int) -> dict[s
 
 def dequantize_linear(t: dict[str, torch.Tensor], quant_algo: str, group_size: int) -> torch.Tensor:
     """The float32 [out, in] weight a checkpoint's linear tensors stand for, with any pre-quant
-    scale folded in (x @ (w * pqs).T == (x * pqs) @ w.T)."""
+    scale folded in (x @ (w * pqs).T == (x * pqs) @ w.T), zero points added (w = q * s + zero) and
+    act-order's input_index undone: columns in the input's own order (x[..., idx] @ w.T == x @ w'.T
+    with w'[:, idx] = w)."""
     weight, scale = t["weight"], t["weights_scaling_factor"].float()
     if weight.dim() == 3:  # a mixture's experts: per-expert tensors stack, per-tensor ones are shared
         return torch.stack([dequantize_linear({k: v[e] if v.dim() > 1 else v for k, v in t.items()}, quant_algo,
                                               group_size) for e in range(weight.shape[0])])
-    if quant_algo == "FP8":
-        w = weight.float() * scale
+    zero = t["zero"].float() if "zero" in t else None
+    if quant_algo in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):  # scale [1] or per channel [out]
+        w = weight.float() * scale.reshape(-1, 1)
     elif quant_algo in ("W8A16", "W8A8_SQ_PER_CHANNEL"):
-        w = weight.float() * scale[:, None]
+        w = weight.float() * scale[:, None] + (0 if zero is None else zero.reshape(-1, 1))
     elif quant_algo in ("W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ"):
         w = unpack_int4(weight).float() * scale.repeat_interleave(group_size, dim=1)
+        if zero is not None:
+            w = w + zero.repeat_interleave(group_size, dim=1)
     else:
         raise ValueError(f"cannot dequantize {quant_algo}")
     if "prequant_scaling_factor" in t:
         w = w * t["prequant_scaling_factor"].float()[None, :]
+    if "input_index" in t:
+        w = torch.empty_like(w).index_copy_(1, t["input_index"].long(), w)
     return w

@@ -17,7 +17,7 @@ import torch
 
 from kiln.config import ConfigError
 from kiln.convert.hf import CheckpointError
-from kiln.convert.prequant.formats import Reader
+from kiln.convert.prequant.reader import Reader
 from kiln.convert.prequant.linears import FloatLinear
 
 

@@ -14,7 +14,7 @@ import torch
 
 from kiln.config import ConfigError
 from kiln.convert.hf import CheckpointError
-from kiln.convert.prequant.formats import Reader
+from kiln.convert.prequant.reader import Reader
 from kiln.convert.prequant.linears import FP8Linear, IntLinear, unpack_int32
 from kiln.plugins.quant import FP8
 

@@ -15,7 +15,7 @@ import torch
 
 from kiln.config import ConfigError, Mapping, PretrainedConfig, QuantConfig, torch_dtype
 from kiln.convert.prequant import mapping
-from kiln.convert.prequant.formats import Reader
+from kiln.convert.prequant.reader import Reader
 from kiln.convert.prequant.linears import FloatLinear, FP8Linear
 
 # Kiln linear -> its HF modules, in the order their rows are fused

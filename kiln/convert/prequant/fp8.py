@@ -4,7 +4,7 @@ quant_method "modelopt" and ModelOpt's quant_algo. FP8: per linear `weight` floa
 from __future__ import annotations
 
 from kiln.config import ConfigError
-from kiln.convert.prequant.formats import Reader
+from kiln.convert.prequant.reader import Reader
 from kiln.convert.prequant.linears import FP8Linear
 from kiln.plugins.quant import FP8
 

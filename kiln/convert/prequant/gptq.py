@@ -7,7 +7,7 @@ each zero point minus one, and its kernels add the one back (a zero point of 0 r
 AWQ GEMM: `qweight` int32 [in, out / 8] and `qzeros` [groups, out / 8], packed along the output with
 the eight codes of a word interleaved (fields hold outputs 0, 2, 4, 6, 1, 3, 5, 7), `scales` [groups,
 out]. AWQ GEMV: `qweight` [out, in / 8] packed along the input in order, `qzeros` [out, words] along
-the groups, `scales` [out, groups padded to a multiple of 8].
+the groups and `scales` [out, 8 * words], both padded past the real groups.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from kiln.config import ConfigError
 from kiln.convert.hf import CheckpointError
-from kiln.convert.prequant.formats import Reader, _field
+from kiln.convert.prequant.reader import Reader, checked_field
 from kiln.convert.prequant.linears import IntLinear, unpack_int32
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -39,7 +39,7 @@ class GPTQReader(Reader):
     method = "gptq"
 
     def __init__(self, qc: dict):
-        self.bits = _field(qc, "bits", (4, 8), "GPTQ")
+        self.bits = checked_field(qc, "bits", (4, 8), "GPTQ")
         self.group_size = qc.get("group_size", 128)
         if not isinstance(self.group_size, int) or self.group_size == 0 or self.group_size < -1:
             raise ConfigError(f"GPTQ checkpoint with group_size={self.group_size!r} is not supported; expected a "
@@ -48,7 +48,7 @@ class GPTQReader(Reader):
         self.desc_act = bool(qc.get("desc_act", False))
         self.symmetric = bool(qc.get("sym", True))
         fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
-        self.v1 = _field({"checkpoint_format": fmt}, "checkpoint_format", ("gptq", "gptq_v2"), "GPTQ") == "gptq"
+        self.v1 = checked_field({"checkpoint_format": fmt}, "checkpoint_format", ("gptq", "gptq_v2"), "GPTQ") == "gptq"
         if qc.get("lm_head"):
             raise ConfigError("GPTQ checkpoint with a quantized lm_head (lm_head=true) is not supported; Kiln's "
                               "lm_head is unquantized or quantized at build (engine-build --quantize_lm_head)")
@@ -86,12 +86,12 @@ class AWQReader(Reader):
     method = "awq"
 
     def __init__(self, qc: dict):
-        self.bits = _field(qc, "bits", (4,), "AWQ", qc.get("w_bit", 4))
+        self.bits = checked_field(qc, "bits", (4,), "AWQ", qc.get("w_bit", 4))
         self.group_size = qc.get("group_size", qc.get("q_group_size", 128))
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ConfigError(f"AWQ checkpoint with group_size={self.group_size!r} is not supported; expected a "
                               f"positive group size")
-        self.version = _field({"version": str(qc.get("version", "gemm")).lower()}, "version", ("gemm", "gemv"),
+        self.version = checked_field({"version": str(qc.get("version", "gemm")).lower()}, "version", ("gemm", "gemv"),
                               "AWQ")
         self.symmetric = not qc.get("zero_point", True)
         self.skip = tuple(qc.get("modules_to_not_convert") or ())
@@ -115,7 +115,10 @@ class AWQReader(Reader):
         else:
             out, inp = qweight.shape[0], qweight.shape[1] * 8
             groups = inp // self.group_size
-            words = -(-groups // 8)
+            words = qzeros.shape[1]  # AutoAWQ pads the groups (calculate_zeros_width); the padding is zeros
+            if words * 8 < groups:
+                raise CheckpointError(f"tensor {prefix}.qzeros has shape {list(qzeros.shape)}, expected [{out}, >= "
+                                      f"{-(-groups // 8)}] for {groups} groups")
             _check_shape(f"{prefix}.qzeros", qzeros, (out, words))
             _check_shape(f"{prefix}.scales", scales, (out, words * 8))
             codes = unpack_int32(qweight, 4, 1)

@@ -246,7 +246,6 @@ def _rope(scaling, theta=None):
 # (family, edit of the installed transformers' config.json, the one-line error it must give)
 REFUSED = [
     ("llama", _set(model_type="mistral"), "model_type 'mistral' does not match architecture LlamaForCausalLM"),
-    ("llama", _set(quantization_config={"quant_method": "awq"}), "pre-quantized HF checkpoints (awq) are not supported"),
     ("llama", lambda hf: hf.pop("intermediate_size"), "missing field(s): intermediate_size"),
     ("llama", _set(hidden_act="gelu"), "hidden_act 'gelu' is not supported; expected 'silu'"),
     ("llama", _set(attention_bias=True), "attention_bias=True is not supported for LlamaForCausalLM (expected false"),

@@ -19,6 +19,7 @@ from kiln.convert.cli import convert_checkpoint
 from kiln.engine.loader import RankEngine
 from kiln.plugins.quant import FP8, FP8_MAX
 from test_e2e import engine_logits
+from test_vllm_commands import env  # noqa: F401 (a fixture: an engine cache of the test's own)
 
 DATA = Path(__file__).parent / "data" / "prequant"
 NEW_TOKENS = 12
@@ -263,7 +264,61 @@ def test_requantizing_an_exact_checkpoint_or_contradicting_it_is_refused(tmp_pat
 
     run = _convert_cli(DATA / "gptq_qwen2_g32_asym", tmp_path / "out", "--qformat", "int4_wo")
     assert run.returncode == 1 and "already quantized" in run.stderr and "drop --qformat" in run.stderr, run.stderr
+    run = _convert_cli(DATA / "bnb_llama_nf4", tmp_path / "requantized", "--qformat", "int4_wo")
+    assert run.returncode == 0, run.stderr
+    assert "dequantized to float16, then quantized int4_wo" in run.stderr + run.stdout
+    assert json.loads((tmp_path / "requantized" / "config.json").read_text())["quantization"]["quant_algo"] == "W4A16"
+    run = _convert_cli(DATA / "bnb_llama_nf4", tmp_path / "out2", "--qformat", "int4_awq")
+    assert run.returncode == 1 and "expected one of int4_wo, int8_wo" in run.stderr, run.stderr
     with pytest.raises(ConfigError, match=r"model config \(gptq\) does not match .* argument \(awq\)"):
         resolve(EngineArgs(model=str(DATA / "gptq_qwen2_g32_asym"), quantization="awq"))
     with pytest.raises(ConfigError, match=r"model config \(bitsandbytes\) does not match .* argument \(fp8\)"):
         resolve(EngineArgs(model=str(DATA / "bnb_llama_nf4"), quantization="fp8"))
+
+
+# -- tensor parallelism: packed tensors split at group boundaries ---------------------------------
+
+def _greedy(engine_dir, prompts):
+    llm = LLM(engine_dir)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                                                       ignore_eos=True))]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+# act-order's down_proj order moved onto gate/up; zero points, group 32, the qkv bias and the KV heads
+# split; FP8 per-tensor scales that differ between q, k and v (per-row ones, split with the rows). Not
+# per-token FP8: a row-parallel linear's ranks each scale their own slice of a token's activations (as
+# vLLM's do), which is not the one scale a single rank takes.
+@pytest.mark.parametrize("name", ["gptq_llama_g128_desc", "gptq_qwen2_g32_asym", "ct_llama_fp8"])
+def test_tp2_same_tokens_as_tp1(name, converted):
+    prompts = _prompts(name)
+    assert _greedy(converted(name, tp=2), prompts) == _greedy(converted(name), prompts)
+
+
+# -- the guide's serve lines, verbatim but for the model path -------------------------------------
+
+GUIDE = {"vllm serve {model} --quantization awq": "awq_llama_gemm",
+         "vllm serve {model} --quantization fp8": "ct_llama_fp8"}
+
+
+def test_the_guides_quantized_serve_lines_answer_completions(env, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_vllm_commands import Serve
+
+    def one(line):
+        model = DATA / GUIDE[line]
+        server = Serve(line, env, tmp_path / f"{GUIDE[line]}.log", model=model)
+        try:
+            reply = server.client.completions.create(model=str(model), prompt="def parse(text):", max_tokens=8,
+                                                     temperature=0)
+            return reply.usage.completion_tokens, reply.choices[0].finish_reason
+        finally:
+            log = server.stop()
+            assert "without re-quantizing" in log, log[-2000:]
+
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(one, GUIDE)) == [(8, "length")] * 2

@@ -322,3 +322,45 @@ def test_the_guides_quantized_serve_lines_answer_completions(env, tmp_path):
 
     with ThreadPoolExecutor(2) as pool:
         assert list(pool.map(one, GUIDE)) == [(8, "length")] * 2
+
+
+def _finer_act_order(tmp_path: Path) -> Path:
+    """gptq_llama_g128_desc re-cut into groups of 64 (the same weights: each group's scale and zero point on
+    both its halves), with every linear's halves chosen out of order: act-order q/k/v, o_proj and gate/up
+    (gathered at run time) besides down_proj (moved onto gate/up's rows)."""
+    def edit(t):
+        g, halves = torch.Generator().manual_seed(0), {}
+        for name in sorted(k[:-len(".g_idx")] for k in t if k.endswith(".g_idx")):
+            g_idx = t[f"{name}.g_idx"].long()
+            # linears sharing an input share its order, as GPTQ's (one Hessian) do
+            shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+            if shared not in halves:
+                half = torch.zeros_like(g_idx)
+                for group in g_idx.unique():
+                    members = (g_idx == group).nonzero()[:, 0]
+                    half[members[torch.randperm(len(members), generator=g)[:len(members) // 2]]] = 1
+                halves[shared] = half
+            t[f"{name}.g_idx"] = (2 * g_idx + halves[shared]).to(torch.int32)
+            for key in ("scales", "qzeros"):
+                t[f"{name}.{key}"] = t[f"{name}.{key}"].repeat_interleave(2, dim=0).contiguous()
+
+    return _copy("gptq_llama_g128_desc", tmp_path / "model", lambda qc: qc.update(group_size=64), edit)
+
+
+def test_act_order_inputs_are_gathered_and_o_proj_is_not_split(tmp_path):
+    from safetensors.torch import load_file
+
+    model = _finer_act_order(tmp_path)
+    ckpt = convert_checkpoint(model, tmp_path / "ckpt", dtype="float32")
+    tensors = load_file(ckpt / "rank0.safetensors")
+    assert {"attention.qkv", "attention.dense", "mlp.fc", "mlp.gate"} == {
+        k.split(".", 3)[3].rsplit(".", 1)[0] for k in tensors if k.endswith("input_index")}
+    engine_dir = build_engine(ckpt, tmp_path / "engine", BuildConfig(**TEST_BUILD, backend="eager"),
+                              log=lambda *_: None)
+    oracle, prompts = _oracle("gptq_llama_g128_desc"), _prompts("gptq_llama_g128_desc")
+    ours = engine_logits(RankEngine(engine_dir, max_tokens_in_paged_kv_cache=1024), prompts)
+    with torch.no_grad():
+        worst = max((got - oracle(torch.tensor([seq])).logits[0]).abs().max().item() for seq, got in zip(prompts, ours))
+    assert worst < EXACT[0], worst
+    run = _convert_cli(model, tmp_path / "tp2", "--tp_size", "2")
+    assert run.returncode == 1 and "o_proj weights cannot be split over --tp_size 2" in run.stderr, run.stderr

@@ -301,7 +301,7 @@ def _shard_linear(cfg, linear, suffix, t, tp_rank, layer, out, inp) -> torch.Ten
     # Row-parallel: the input dimension splits; a per-channel scale of the outputs is whole.
     if suffix == "input_index":
         raise ConfigError(f"{linear}.input_index (act-order) of layer {layer}: a row-parallel linear's gathered "
-                          f"input does not split by rank here; the pre-quantized converter writes its rank splits")
+                          f"input does not split over tensor-parallel ranks; expected tp_size 1")
     parts = input_split(cfg, linear, layer)
     if suffix == "prequant_scaling_factor":
         dim, size = 0, inp

@@ -95,6 +95,10 @@ def convert(cfg: PretrainedConfig, reader: Reader, weights, qformat: str | None 
             if not exact:
                 parts = [FloatLinear(p.dequantize()) for p in parts]
             out = mapping.kiln_tensors(parts, group, not reader.symmetric, reader.dynamic_activations, name)
+            if "input_index" in out and kiln == "attention.dense" and cfg.mapping.tp_size > 1:
+                raise ConfigError(f"{name}: act-order (desc_act) o_proj weights cannot be split over --tp_size "
+                                  f"{cfg.mapping.tp_size} ranks exactly (its quantization groups mix the ranks' "
+                                  f"heads); convert with --tp_size 1 (--pp_size splits layers instead)")
             if not exact:
                 out["weight"] = out["weight"].to(dtype)
             tensors.update({f"{name}.{k}": v for k, v in out.items()})

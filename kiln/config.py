@@ -94,6 +94,9 @@ class QuantConfig:
     has_zero_point: bool = False
     pre_quant_scale: bool = False
     exclude_modules: list[str] | None = None
+    # Kiln's: the MLPs' intermediate channels are in an act-order down_proj's group order (a GPTQ
+    # desc_act checkpoint split over tp ranks: gate/up rows permuted to match), which LoRA adapters are not
+    mlp_channels_by_group: bool = False
 
 
 # TensorRT-LLM's MoeConfig.ExpertScaleNormalizationMode: the top-k routing weights as they are (NONE)

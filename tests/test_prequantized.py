@@ -129,16 +129,6 @@ HF_PARTS = {"attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn
             "mlp.proj": ("mlp.down_proj",)}
 
 
-def _down_order(name: str, layer: int):
-    """An act-order down_proj's input order, which the converter moves onto gate/up's rows (None: none)."""
-    key = f"model.layers.{layer}.mlp.down_proj.g_idx"
-    with safe_open(str(DATA / name / "model.safetensors"), "pt") as f:
-        if key not in f.keys():
-            return None
-        g_idx = f.get_tensor(key)
-    return None if bool((g_idx[1:] >= g_idx[:-1]).all()) else torch.argsort(g_idx, stable=True)
-
-
 @pytest.mark.parametrize("name", PRESENT)
 def test_converted_weights_are_the_producers_dequantized_weights(name, tmp_path):
     """Every linear of the Kiln checkpoint stands for the weight the producer's own code dequantizes,
@@ -152,15 +142,10 @@ def test_converted_weights_are_the_producers_dequantized_weights(name, tmp_path)
     tensors = load_file(ckpt / "rank0.safetensors")
     oracle = load_file(DATA / f"{name}.dequantized.safetensors")
     for layer in range(2):
-        order = _down_order(name, layer)
         for kiln, parts in HF_PARTS.items():
             prefix = f"transformer.layers.{layer}.{kiln}"
             mine = {k[len(prefix) + 1:]: t for k, t in tensors.items() if k.startswith(prefix + ".")}
             want = torch.cat([oracle[f"model.layers.{layer}.{p}.weight"] for p in parts]).float()
-            if order is not None and kiln in ("mlp.fc", "mlp.gate"):
-                want = want[order]
-            if order is not None and kiln == "mlp.proj":
-                want = want[:, order]
             got = dequantize_linear(mine, q["quant_algo"], q["group_size"]) if q["quant_algo"] else mine["weight"]
             assert got.shape == want.shape, prefix
             torch.testing.assert_close(got, want, rtol=2 ** -8, atol=1e-6, msg=prefix)
@@ -294,8 +279,17 @@ def _greedy(engine_dir, prompts):
 # vLLM's do), which is not the one scale a single rank takes.
 @pytest.mark.parametrize("name", ["gptq_llama_g128_desc", "gptq_qwen2_g32_asym", "ct_llama_fp8"])
 def test_tp2_same_tokens_as_tp1(name, converted):
+    from kiln.config import ConfigError, EngineConfig
+    from kiln.models.lora import check_lora_config
+
     prompts = _prompts(name)
-    assert _greedy(converted(name, tp=2), prompts) == _greedy(converted(name), prompts)
+    engine_dir = converted(name, tp=2)
+    assert _greedy(engine_dir, prompts) == _greedy(converted(name), prompts)
+    pretrained = EngineConfig.load(engine_dir).pretrained_config
+    assert pretrained.quantization.mlp_channels_by_group == name.endswith("desc")  # gate/up rows in group order
+    if pretrained.quantization.mlp_channels_by_group:
+        with pytest.raises(ConfigError, match="mlp_4h_to_h: this checkpoint's MLP channels are in its act-order"):
+            check_lora_config({"max_lora_rank": 4, "lora_target_modules": ["attn_q", "mlp_4h_to_h"]}, pretrained)
 
 
 # -- the guide's serve lines, verbatim but for the model path -------------------------------------
@@ -327,7 +321,7 @@ def test_the_guides_quantized_serve_lines_answer_completions(env, tmp_path):
 def _finer_act_order(tmp_path: Path) -> Path:
     """gptq_llama_g128_desc re-cut into groups of 64 (the same weights: each group's scale and zero point on
     both its halves), with every linear's halves chosen out of order: act-order q/k/v, o_proj and gate/up
-    (gathered at run time) besides down_proj (moved onto gate/up's rows)."""
+    besides down_proj, each gathered at run time."""
     def edit(t):
         g, halves = torch.Generator().manual_seed(0), {}
         for name in sorted(k[:-len(".g_idx")] for k in t if k.endswith(".g_idx")):
@@ -353,7 +347,7 @@ def test_act_order_inputs_are_gathered_and_o_proj_is_not_split(tmp_path):
     model = _finer_act_order(tmp_path)
     ckpt = convert_checkpoint(model, tmp_path / "ckpt", dtype="float32")
     tensors = load_file(ckpt / "rank0.safetensors")
-    assert {"attention.qkv", "attention.dense", "mlp.fc", "mlp.gate"} == {
+    assert {"attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"} == {
         k.split(".", 3)[3].rsplit(".", 1)[0] for k in tensors if k.endswith("input_index")}
     engine_dir = build_engine(ckpt, tmp_path / "engine", BuildConfig(**TEST_BUILD, backend="eager"),
                               log=lambda *_: None)
@@ -364,3 +358,39 @@ def test_act_order_inputs_are_gathered_and_o_proj_is_not_split(tmp_path):
     assert worst < EXACT[0], worst
     run = _convert_cli(model, tmp_path / "tp2", "--tp_size", "2")
     assert run.returncode == 1 and "o_proj weights cannot be split over --tp_size 2" in run.stderr, run.stderr
+
+
+def test_lora_on_an_act_order_gptq_base_matches_peft(tmp_path):
+    """Adapters on every module of an int4 base whose linears all gather their inputs (act-order), as HF's
+    PeftModel runs them over the producer's dequantized weights."""
+    import peft
+
+    from kiln import LoRARequest
+
+    model = _finer_act_order(tmp_path)
+    oracle, prompts = _oracle("gptq_llama_g128_desc"), _prompts("gptq_llama_g128_desc")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = peft.get_peft_model(oracle, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        want = [peft_model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                    do_sample=False)[0, len(p):].tolist() for p in prompts]
+    ckpt = convert_checkpoint(model, tmp_path / "ckpt", dtype="float32")
+    lora = {"max_lora_rank": 4, "lora_target_modules": ["attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h",
+                                                        "mlp_4h_to_h", "mlp_gate"]}
+    engine_dir = build_engine(ckpt, tmp_path / "engine", BuildConfig(**TEST_BUILD, backend="eager", lora_config=lora),
+                              log=lambda *_: None)
+    llm = LLM(engine_dir)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+            lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))]
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == want

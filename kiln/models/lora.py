@@ -48,6 +48,11 @@ def check_lora_config(lora_config: dict, config: PretrainedConfig) -> None:
                           f"{', '.join(MODULE_IDS)}")
     if config.moe.num_experts:
         raise ConfigError("LoRA on mixture-of-experts models is not supported yet")
+    mlp = sorted(m for m in modules if m.startswith("mlp_"))
+    if mlp and config.quantization.mlp_channels_by_group:
+        raise ConfigError(f"lora_target_modules {', '.join(mlp)}: this checkpoint's MLP channels are in its act-order "
+                          f"(desc_act) groups' order, split over tp ranks, and adapters are not; target attention "
+                          f"only, or convert it with --tp_size 1")
 
 
 class StepAdapters:

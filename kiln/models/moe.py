@@ -18,7 +18,7 @@ from kiln.layout import SHARED, expert_range
 from kiln.models.linear import Linear, PackedLinear, make_linear, quant_algo_of, stacked, tensor_specs
 from kiln.plugins import gemm, quant
 
-EXPERT_ALGOS = (None, "W8A16", "W4A16", "FP8")
+EXPERT_ALGOS = (None, "W8A16", "W4A16", "W4A16_GPTQ", "W4A16_AWQ", "FP8")  # AWQ: without pre-quant scales
 
 
 def moe_tensor_specs(config: PretrainedConfig, prefix: str, rank: int,

@@ -1,10 +1,11 @@
 """A pre-quantized HF checkpoint's tensors as Kiln's (whole, tp 1) quantized checkpoint, read once.
 
-Everything that is not a quantized linear (embeddings, norms, biases, lm_head) comes from the
-converter's own plan; each quantized linear's HF parts (q/k/v; o; gate; up; down) are read by the
-format's reader and laid out by mapping.py. An act-order down_proj's input order moves onto the rows
-of gate_proj and up_proj, which produce its input, so it needs no gather (and splits over tp ranks
-at group boundaries as any down_proj does).
+Each quantized linear's HF parts (q/k/v; o; gate; up; down; a mixture's experts, stacked) are read by
+the format's reader and laid out by mapping.py; everything else (embeddings, norms, biases, routers,
+lm_head, and linears the format left unquantized) comes from the converter's own plan. Split over tp
+ranks, an act-order down_proj's input order moves onto the rows of the gate_proj and up_proj that
+produce its input, so that each rank holds whole groups (its input does not split by rank otherwise);
+LoRA adapters of the MLP, in the HF order, are then refused (quantization.mlp_channels_by_group).
 """
 from __future__ import annotations
 
@@ -15,13 +16,11 @@ import torch
 
 from kiln.config import ConfigError, Mapping, PretrainedConfig, QuantConfig, torch_dtype
 from kiln.convert.prequant import mapping
+from kiln.convert.prequant.linears import FloatLinear, IntLinear
 from kiln.convert.prequant.reader import Reader
-from kiln.convert.prequant.linears import FloatLinear, FP8Linear
 
-# Kiln linear -> its HF modules, in the order their rows are fused
-HF_PARTS = {"attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "attention.dense": ("self_attn.o_proj",), "mlp.fc": ("mlp.gate_proj",), "mlp.gate": ("mlp.up_proj",),
-            "mlp.proj": ("mlp.down_proj",)}
+ATTENTION = {"attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "attention.dense": ("self_attn.o_proj",)}
 REQUANTIZE = ("int4_wo", "int8_wo")  # round-to-nearest from the dequantized weights; no calibration
 
 
@@ -43,13 +42,13 @@ def quant_algo(reader: Reader) -> str:
 def check(cfg: PretrainedConfig, reader: Reader, qformat: str | None, fused: dict) -> bool:
     """Refuse what cannot be converted, before any tensor is read; True where the format maps exactly."""
     what = reader.describe()
-    if cfg.moe.num_experts:
-        raise ConfigError(f"{what} checkpoints of a mixture of experts ({cfg.architecture}) are not supported yet; "
-                          f"convert the unquantized model with --qformat")
     if fused:
         raise ConfigError(f"{what} checkpoints of {cfg.architecture} (fused qkv_proj/gate_up_proj) are not supported; "
                           f"expected separate q/k/v and gate/up projections")
     exact = reader.exact and not (reader.bits == 8 and reader.group_size)
+    if exact and cfg.moe.num_experts and (not reader.symmetric or reader.dynamic_activations):
+        raise ConfigError(f"{what} checkpoints of a mixture of experts ({cfg.architecture}) are not supported: Kiln's "
+                          f"MoE kernels take no {'zero points' if not reader.symmetric else 'per-token FP8'}")
     if exact and qformat:
         raise ConfigError(f"the model is already quantized ({what}), and Kiln runs it as it is; --qformat {qformat} "
                           f"would quantize it a second time: drop --qformat")
@@ -59,51 +58,126 @@ def check(cfg: PretrainedConfig, reader: Reader, qformat: str | None, fused: dic
     return exact
 
 
+def _mlps(cfg: PretrainedConfig, i: int) -> list[tuple[str, tuple[str, str, str]]]:
+    """Layer i's gated MLPs as (kind, HF (gate, up, down) prefixes): "dense", "expert" (in expert order)
+    or "shared"."""
+    from kiln.convert.shard import hf_moe
+
+    if not cfg.is_moe_layer(i):
+        return [("dense", tuple(f"model.layers.{i}.mlp.{p}_proj" for p in ("gate", "up", "down")))]
+    out = [("expert", tuple(hf_moe(cfg, i, p, e).removesuffix(".weight") for p in ("gate", "up", "down")))
+           for e in range(cfg.moe.num_experts)]
+    if cfg.moe.shared_expert_intermediate_size:
+        out.append(("shared", tuple(f"model.layers.{i}.mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down"))))
+    return out
+
+
+class _Layout:
+    """Reads a checkpoint's linears and lays them out as Kiln's tensors (`tensors`), noting the ones the
+    format left unquantized (`excluded`: the converter's plan reads those as floats)."""
+
+    def __init__(self, cfg: PretrainedConfig, reader: Reader, weights, exact: bool, group: int):
+        self.cfg, self.reader, self.weights, self.exact, self.group = cfg, reader, weights, exact, group
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.excluded: list[str] = []
+        self.folded = False  # an act-order down_proj's order moved onto its gate/up rows
+
+    def layer(self, i: int) -> None:
+        for kiln, parts in ATTENTION.items():
+            self._write(f"transformer.layers.{i}.{kiln}", [self._read(f"model.layers.{i}.{p}") for p in parts])
+        experts = []
+        for kind, prefixes in _mlps(self.cfg, i):
+            gate, up, down = self._mlp(*prefixes)
+            if kind == "expert":
+                experts.append(([up, gate], [down]))  # Kiln's expert fc: up rows, then gate rows
+                continue
+            names = ("mlp.fc", "mlp.gate", "mlp.proj") if kind == "dense" else (
+                "mlp.shared_expert.fc", "mlp.shared_expert.gate", "mlp.shared_expert.proj")
+            for name, lin in zip(names, (gate, up, down)):
+                self._write(f"transformer.layers.{i}.{name}", [lin])
+        if experts:
+            for j, name in enumerate(("mlp.fc", "mlp.proj")):
+                self._write_experts(f"transformer.layers.{i}.{name}", [e[j] for e in experts])
+
+    def _read(self, prefix: str):
+        lin = self.reader.read(self.weights, prefix)
+        return lin if lin is None or self.exact else FloatLinear(lin.dequantize())
+
+    def _mlp(self, gate: str, up: str, down: str):
+        g, u, d = (self._read(p) for p in (gate, up, down))
+        if isinstance(d, IntLinear) and self.cfg.mapping.tp_size > 1:  # on one rank: down_proj's input gather
+            d, order = mapping.sort_by_group(d)
+            self.folded |= order is not None
+            if order is not None:
+                if g is None or u is None:
+                    raise ConfigError(f"{gate}/{up}: unquantized while the {down} they feed is act-order quantized; "
+                                      f"expected all three quantized")
+                g, u = mapping.permute_rows(g, order), mapping.permute_rows(u, order)
+        return g, u, d
+
+    def _tensors(self, name: str, parts: list) -> dict[str, torch.Tensor] | None:
+        if all(p is None for p in parts):  # stored unquantized (the format's ignore list)
+            return None
+        if any(p is None for p in parts):
+            raise ConfigError(f"{name}: the checkpoint quantizes some of the HF linears it fuses and not the others; "
+                              f"Kiln runs them as one GEMM")
+        out = mapping.kiln_tensors(parts, self.group, not self.reader.symmetric, self.reader.dynamic_activations, name)
+        if "input_index" in out and name.endswith("attention.dense") and self.cfg.mapping.tp_size > 1:
+            raise ConfigError(f"{name}: act-order (desc_act) o_proj weights cannot be split over --tp_size "
+                              f"{self.cfg.mapping.tp_size} ranks exactly (its quantization groups mix the ranks' "
+                              f"heads); convert with --tp_size 1 (--pp_size splits layers instead)")
+        if not self.exact:
+            out["weight"] = out["weight"].to(torch_dtype(self.cfg.dtype))
+        return out
+
+    def _write(self, name: str, parts: list) -> None:
+        out = self._tensors(name, parts)
+        if out is None:
+            self.excluded.append(name)
+        else:
+            self.tensors.update({f"{name}.{k}": v for k, v in out.items()})
+
+    def _write_experts(self, name: str, experts: list[list]) -> None:
+        each = [self._tensors(f"{name} (expert {e})", parts) for e, parts in enumerate(experts)]
+        if all(e is None for e in each):
+            self.excluded.append(name)
+            return
+        if any(e is None for e in each):
+            raise ConfigError(f"{name}: some experts are quantized and some not; expected all or none")
+        if "input_index" in each[0]:
+            raise ConfigError(f"{name}: act-order (desc_act) experts are not supported; Kiln's MoE kernels take "
+                              f"each expert's inputs in order")
+        for key in each[0]:
+            ts = [e[key] for e in each]
+            if key == "activation_scaling_factor":  # one per layer, shared by the experts (ModelOpt's export)
+                self.tensors[f"{name}.{key}"] = torch.stack(ts).amax(0)
+                continue
+            if key == "weights_scaling_factor" and len({t.numel() for t in ts}) > 1:  # FP8: per row where any is
+                rows = max(t.numel() for t in ts)
+                ts = [t.expand(rows) for t in ts]
+            self.tensors[f"{name}.{key}"] = torch.stack(ts).contiguous()
+
+
 def convert(cfg: PretrainedConfig, reader: Reader, weights, qformat: str | None = None,
             log: Callable[[str], object] = lambda _: None) -> Outcome:
     from kiln.convert.quantize.formats import rank_inputs
-    from kiln.convert.shard import fused_tensors, rank_plan, trt_layer
+    from kiln.convert.shard import fused_tensors, rank_plan
 
     exact = check(cfg, reader, qformat, fused_tensors(cfg))
-    single = dataclasses.replace(cfg, mapping=Mapping())
-    dtype = torch_dtype(cfg.dtype)
-    linear_names = {trt_layer(i, f"{k}.weight") for i in range(cfg.num_hidden_layers) for k in HF_PARTS}
-    tensors = {name: build(weights).to(dtype, copy=True).contiguous() for name, build in rank_plan(single, 0)
-               if name not in linear_names}
     algo = quant_algo(reader) if exact else None
     group = (mapping.kiln_group_size(reader.group_size, list(rank_inputs(cfg).values()), reader.describe())
              if algo and algo.startswith("W4") else QuantConfig.group_size)
-    excluded = ["lm_head"]
+    layout = _Layout(cfg, reader, weights, exact, group)
     for i in range(cfg.num_hidden_layers):
-        plain = {k: [reader.read(weights, f"model.layers.{i}.{hf}") for hf in parts] for k, parts in HF_PARTS.items()}
-        down = plain["mlp.proj"][0]
-        if exact and down is not None and not isinstance(down, (FP8Linear, FloatLinear)):
-            down, order = mapping.sort_by_group(down)
-            if order is not None:
-                plain["mlp.proj"] = [down]
-                plain["mlp.fc"] = [_rows(p, order, weights, f"model.layers.{i}.mlp.gate_proj") for p in plain["mlp.fc"]]
-                plain["mlp.gate"] = [_rows(p, order, weights, f"model.layers.{i}.mlp.up_proj") for p in plain["mlp.gate"]]
-        for kiln, parts in plain.items():
-            name = trt_layer(i, kiln)
-            if all(p is None for p in parts):  # stored unquantized (the format's ignore list)
-                tensors[f"{name}.weight"] = _float(weights, i, kiln).to(dtype)
-                excluded.append(name)
-                continue
-            if any(p is None for p in parts):
-                raise ConfigError(f"{name}: the checkpoint quantizes some of {', '.join(HF_PARTS[kiln])} and not the "
-                                  f"others; Kiln runs them as one GEMM")
-            if not exact:
-                parts = [FloatLinear(p.dequantize()) for p in parts]
-            out = mapping.kiln_tensors(parts, group, not reader.symmetric, reader.dynamic_activations, name)
-            if "input_index" in out and kiln == "attention.dense" and cfg.mapping.tp_size > 1:
-                raise ConfigError(f"{name}: act-order (desc_act) o_proj weights cannot be split over --tp_size "
-                                  f"{cfg.mapping.tp_size} ranks exactly (its quantization groups mix the ranks' "
-                                  f"heads); convert with --tp_size 1 (--pp_size splits layers instead)")
-            if not exact:
-                out["weight"] = out["weight"].to(dtype)
-            tensors.update({f"{name}.{k}": v for k, v in out.items()})
+        layout.layer(i)
+    dtype = torch_dtype(cfg.dtype)
+    tensors = {name: build(weights).to(dtype, copy=True).contiguous()
+               for name, build in rank_plan(dataclasses.replace(cfg, mapping=Mapping()), 0)
+               if name not in layout.tensors}
+    tensors.update(layout.tensors)
     quant = QuantConfig(quant_algo=algo, group_size=group, has_zero_point=bool(algo) and not reader.symmetric,
-                        exclude_modules=excluded if algo else None)
+                        exclude_modules=["lm_head", *layout.excluded] if algo else None,
+                        mlp_channels_by_group=layout.folded)
     cfg = dataclasses.replace(cfg, quantization=quant)
     if exact:
         return Outcome(cfg, tensors, f"{reader.describe()} read as {algo}"
@@ -112,17 +186,6 @@ def convert(cfg: PretrainedConfig, reader: Reader, weights, qformat: str | None 
     if qformat is None:
         return Outcome(cfg, tensors, note)
     return _requantize(cfg, tensors, qformat, note, log)
-
-
-def _rows(lin, order, weights, prefix):
-    if lin is None:
-        raise ConfigError(f"{prefix} is unquantized while the down_proj it feeds is act-order quantized; expected "
-                          f"both quantized")
-    return mapping.permute_rows(lin, order)
-
-
-def _float(weights, i: int, kiln: str) -> torch.Tensor:
-    return torch.cat([weights.read(f"model.layers.{i}.{hf}.weight") for hf in HF_PARTS[kiln]])
 
 
 def _requantize(cfg, tensors, qformat, note, log) -> Outcome:

@@ -37,3 +37,28 @@ def calibration_texts(n: int = 16, chars: int = 512) -> list[str]:
 
     text = "\n".join(corpus())
     return [text[i * chars:(i + 1) * chars] for i in range(n)]
+
+
+MOE_ARCHS = {  # the MoE bases: 4 experts, top-2, expert width 128 (Qwen2-MoE adds a 256-wide shared expert)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                     tie_word_embeddings=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(moe_intermediate_size=128, shared_expert_intermediate_size=256, num_experts=4,
+                       num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
+                       use_sliding_window=False, tie_word_embeddings=False)),
+}
+
+
+def make_moe_base(arch: str, path: Path) -> Path:
+    """A float32 HF mixture-of-experts model dir (seeded random weights, make_base's tokenizer) for `arch`."""
+    import transformers
+    from tiny_models import save_tokenizer
+
+    config_cls, model_cls, extra = MOE_ARCHS[arch]
+    config = getattr(transformers, config_cls)(**{**SHAPE, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    model.save_pretrained(path, safe_serialization=True)
+    save_tokenizer(path, SHAPE["vocab_size"])
+    return path

@@ -42,6 +42,8 @@ CASES = {
     "ct_llama_fp8": FP8_ACTIVATIONS,
     "ct_qwen2_fp8_dynamic": FP8_ACTIVATIONS,
     "modelopt_llama_fp8": FP8_ACTIVATIONS,
+    "gptq_mixtral_moe": EXACT,  # experts stacked, the router unquantized
+    "ct_qwen2moe_w4a16": EXACT,  # and a shared expert; routers in the ignore list
     "bnb_llama_nf4": (5e-3, 3e-3),  # float16 oracles (bitsandbytes' dequantize_4bit in the weights' dtype)
     "bnb_qwen2_fp4": (5e-3, 3e-3),
 }
@@ -127,6 +129,25 @@ def _prompts(name):
 HF_PARTS = {"attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             "attention.dense": ("self_attn.o_proj",), "mlp.fc": ("mlp.gate_proj",), "mlp.gate": ("mlp.up_proj",),
             "mlp.proj": ("mlp.down_proj",)}
+# A mixture's experts, stacked: Kiln's fc is each expert's up rows then its gate rows
+EXPERTS = {"mixtral": ("block_sparse_moe.experts.{e}.", ("w3", "w1"), "w2"),
+           "qwen2_moe": ("mlp.experts.{e}.", ("up_proj", "gate_proj"), "down_proj")}
+SHARED = {"mlp.shared_expert.fc": ("mlp.shared_expert.gate_proj",), "mlp.shared_expert.gate": (
+    "mlp.shared_expert.up_proj",), "mlp.shared_expert.proj": ("mlp.shared_expert.down_proj",)}
+
+
+def _kiln_linears(hf: dict) -> dict[str, list[tuple[str, ...]]]:
+    """Kiln linear -> its HF parts, one tuple per expert for a mixture's stacked experts."""
+    if hf["model_type"] not in EXPERTS:
+        return {k: [v] for k, v in HF_PARTS.items()}
+    prefix, fc, proj = EXPERTS[hf["model_type"]]
+    experts = hf.get("num_local_experts") or hf["num_experts"]
+    out = {k: [HF_PARTS[k]] for k in ("attention.qkv", "attention.dense")}
+    out["mlp.fc"] = [tuple(prefix.format(e=e) + p for p in fc) for e in range(experts)]
+    out["mlp.proj"] = [(prefix.format(e=e) + proj,) for e in range(experts)]
+    if hf.get("shared_expert_intermediate_size"):
+        out.update({k: [v] for k, v in SHARED.items()})
+    return out
 
 
 @pytest.mark.parametrize("name", PRESENT)
@@ -141,11 +162,14 @@ def test_converted_weights_are_the_producers_dequantized_weights(name, tmp_path)
     q = json.loads((ckpt / "config.json").read_text())["quantization"]
     tensors = load_file(ckpt / "rank0.safetensors")
     oracle = load_file(DATA / f"{name}.dequantized.safetensors")
+    linears = _kiln_linears(json.loads((DATA / name / "config.json").read_text()))
     for layer in range(2):
-        for kiln, parts in HF_PARTS.items():
+        for kiln, experts in linears.items():
             prefix = f"transformer.layers.{layer}.{kiln}"
             mine = {k[len(prefix) + 1:]: t for k, t in tensors.items() if k.startswith(prefix + ".")}
-            want = torch.cat([oracle[f"model.layers.{layer}.{p}.weight"] for p in parts]).float()
+            want = torch.stack([torch.cat([oracle[f"model.layers.{layer}.{p}.weight"] for p in parts]).float()
+                                for parts in experts])
+            want = want if len(experts) > 1 else want[0]
             got = dequantize_linear(mine, q["quant_algo"], q["group_size"]) if q["quant_algo"] else mine["weight"]
             assert got.shape == want.shape, prefix
             torch.testing.assert_close(got, want, rtol=2 ** -8, atol=1e-6, msg=prefix)
@@ -274,10 +298,11 @@ def _greedy(engine_dir, prompts):
 
 
 # act-order's down_proj order moved onto gate/up; zero points, group 32, the qkv bias and the KV heads
-# split; FP8 per-tensor scales that differ between q, k and v (per-row ones, split with the rows). Not
+# split; FP8 per-tensor scales that differ between q, k and v (per-row ones, split with the rows); int4
+# experts split over the ranks (each expert's width, as a dense MLP's). Not
 # per-token FP8: a row-parallel linear's ranks each scale their own slice of a token's activations (as
 # vLLM's do), which is not the one scale a single rank takes.
-@pytest.mark.parametrize("name", ["gptq_llama_g128_desc", "gptq_qwen2_g32_asym", "ct_llama_fp8"])
+@pytest.mark.parametrize("name", ["gptq_llama_g128_desc", "gptq_qwen2_g32_asym", "ct_llama_fp8", "gptq_mixtral_moe"])
 def test_tp2_same_tokens_as_tp1(name, converted):
     from kiln.config import ConfigError, EngineConfig
     from kiln.models.lora import check_lora_config

@@ -74,10 +74,13 @@ def quantization(flags: dict) -> Quantization | None:
     if flags["use_fp8_rowwise"] or flags["use_meta_fp8_rowwise_recipe"]:
         raise ConfigError("--use_fp8_rowwise: FP8 row-wise (per-token, per-channel) quantization is not supported "
                           "by Kiln; --use_fp8 gives per-tensor FP8")
-    for name, what in (("use_nvfp4", "NVFP4 quantization"), ("use_qserve", "QServe W4A8 quantization"),
-                       ("quant_ckpt_path", "reading pre-quantized GPTQ weights (--quant_ckpt_path)")):
+    for name, what in (("use_nvfp4", "NVFP4 quantization"), ("use_qserve", "QServe W4A8 quantization")):
         if flags[name]:
             raise ConfigError(f"--{name}: {what} is not supported by Kiln")
+    if flags["quant_ckpt_path"]:
+        raise ConfigError("--quant_ckpt_path: a GPTQ-for-LLaMa weights file beside the HF model is not read by Kiln; "
+                          "pass a GPTQ model dir (config.json with its quantization_config, as GPTQModel and "
+                          "transformers write it) as --model_dir, which converts as it is")
     precision = flags["weight_only_precision"]
     if flags["use_weight_only"]:
         precision = precision or "int8"

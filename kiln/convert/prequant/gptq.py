@@ -21,10 +21,6 @@ from kiln.convert.prequant.linears import IntLinear, unpack_int32
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-def _read(weights, name: str) -> torch.Tensor:
-    return weights.read(name)
-
-
 def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
         raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)} for its "
@@ -64,16 +60,19 @@ class GPTQReader(Reader):
     def read(self, weights, prefix: str) -> IntLinear | None:
         if f"{prefix}.qweight" not in weights:
             return None
-        qweight, qzeros, scales = (_read(weights, f"{prefix}.{k}") for k in ("qweight", "qzeros", "scales"))
+        qweight, qzeros, scales = (weights.read(f"{prefix}.{k}") for k in ("qweight", "qzeros", "scales"))
         per = 32 // self.bits
         inp, out = qweight.shape[0] * per, qweight.shape[1]
         groups = -(-inp // self.group_size) if self.group_size else 1
         _check_shape(f"{prefix}.scales", scales, (groups, out))
         _check_shape(f"{prefix}.qzeros", qzeros, (groups, out // per))
         codes = unpack_int32(qweight, self.bits, 0).T
+        # v1 stores each zero point minus one; the one comes back per code, as its kernels (and vLLM's) add
+        # it. A zero point of 0 does not survive v1's packing in any producer (it borrows from, or ORs
+        # into, its neighbours), so no reading of one is right.
         zero = unpack_int32(qzeros, self.bits, 1).float() + (1 if self.v1 else 0)
         if f"{prefix}.g_idx" in weights:
-            group = _read(weights, f"{prefix}.g_idx").long()
+            group = weights.read(f"{prefix}.g_idx").long()
             _check_shape(f"{prefix}.g_idx", group, (inp,))
             if group.min() < 0 or group.max() >= groups:
                 raise CheckpointError(f"tensor {prefix}.g_idx holds groups outside 0..{groups - 1}")
@@ -91,10 +90,9 @@ class AWQReader(Reader):
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ConfigError(f"AWQ checkpoint with group_size={self.group_size!r} is not supported; expected a "
                               f"positive group size")
-        self.version = checked_field({"version": str(qc.get("version", "gemm")).lower()}, "version", ("gemm", "gemv"),
-                              "AWQ")
+        version = str(qc.get("version", "gemm")).lower()
+        self.version = checked_field({"version": version}, "version", ("gemm", "gemv"), "AWQ")
         self.symmetric = not qc.get("zero_point", True)
-        self.skip = tuple(qc.get("modules_to_not_convert") or ())
 
     def describe(self) -> str:
         return (f"AWQ 4-bit, group {self.group_size}, {'symmetric' if self.symmetric else 'zero points'} "
@@ -103,7 +101,7 @@ class AWQReader(Reader):
     def read(self, weights, prefix: str) -> IntLinear | None:
         if f"{prefix}.qweight" not in weights:
             return None
-        qweight, qzeros, scales = (_read(weights, f"{prefix}.{k}") for k in ("qweight", "qzeros", "scales"))
+        qweight, qzeros, scales = (weights.read(f"{prefix}.{k}") for k in ("qweight", "qzeros", "scales"))
         if self.version == "gemm":
             inp, out = qweight.shape[0], qweight.shape[1] * 8
             groups = inp // self.group_size

@@ -302,7 +302,8 @@ def _greedy(engine_dir, prompts):
 # experts split over the ranks (each expert's width, as a dense MLP's). Not
 # per-token FP8: a row-parallel linear's ranks each scale their own slice of a token's activations (as
 # vLLM's do), which is not the one scale a single rank takes.
-@pytest.mark.parametrize("name", ["gptq_llama_g128_desc", "gptq_qwen2_g32_asym", "ct_llama_fp8", "gptq_mixtral_moe"])
+@pytest.mark.parametrize("name", ["gptq_llama_g128_desc", "gptq_qwen2_g32_asym", "awq_llama_gemm", "ct_llama_fp8",
+                                  "gptq_mixtral_moe"])
 def test_tp2_same_tokens_as_tp1(name, converted):
     from kiln.config import ConfigError, EngineConfig
     from kiln.models.lora import check_lora_config

@@ -179,7 +179,9 @@ def _quant_note(quant, output_dir: Path) -> str:
               help="Quantize the weights of every linear (lm_head and embedding stay unquantized): "
                    "fp8 (FP8), int8_wo (W8A16), int4_wo (W4A16, round-to-nearest), int4_awq "
                    "(W4A16_AWQ), int4_gptq (W4A16_GPTQ), w4a8_awq (W4A8_AWQ), int8_sq "
-                   "(W8A8_SQ_PER_CHANNEL). All but int8_wo/int4_wo calibrate with NVIDIA ModelOpt.")
+                   "(W8A8_SQ_PER_CHANNEL). All but int8_wo/int4_wo calibrate with NVIDIA ModelOpt. A model "
+                   "that is already quantized (GPTQ, AWQ, compressed-tensors, ModelOpt FP8) converts as it is, "
+                   "without --qformat; a bitsandbytes one is dequantized, or re-quantized by int4_wo/int8_wo.")
 @click.option("--awq_algorithm", type=click.Choice(tuple(AWQ_ALGORITHMS)), default=DEFAULT_AWQ_ALGORITHM,
               show_default=True,
               help="ModelOpt's AWQ search for --qformat int4_awq: clip (per weight group, the "

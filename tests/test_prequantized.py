@@ -247,6 +247,12 @@ BAD = {
                        lambda t: t.update({"model.layers.1.mlp.up_proj.qzeros":
                                            t["model.layers.1.mlp.up_proj.qzeros"][:, :-1].contiguous()}),
                        "model.layers.1.mlp.up_proj.qzeros"),
+    "wrong_shape": ("awq_llama_gemm", None,  # consistent with itself, not with config.json's [256, 128]
+                    lambda t: t.update({f"model.layers.0.mlp.up_proj.{k}": t[f"model.layers.0.mlp.up_proj.{k}"][:, :8]
+                                        .contiguous() for k in ("qweight", "qzeros", "scales")} |
+                                       {"model.layers.0.mlp.up_proj.scales": t["model.layers.0.mlp.up_proj.scales"]
+                                        [:, :64].contiguous()}),
+                    "model.layers.0.mlp.up_proj: its awq tensors stand for a [64, 128] weight, expected [256, 128]"),
     "damaged_packed": ("ct_qwen2_w4a16_asym", None,
                        lambda t: t.update({"model.layers.0.self_attn.k_proj.weight_packed":
                                            t["model.layers.0.self_attn.k_proj.weight_packed"][:-2].contiguous()}),

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from kiln.config import ConfigError, Mapping, PretrainedConfig, QuantConfig, torch_dtype
+from kiln.convert.hf import CheckpointError
 from kiln.convert.prequant import mapping
 from kiln.convert.prequant.linears import FloatLinear, IntLinear
 from kiln.convert.prequant.reader import Reader
@@ -77,7 +78,10 @@ class _Layout:
     format left unquantized (`excluded`: the converter's plan reads those as floats)."""
 
     def __init__(self, cfg: PretrainedConfig, reader: Reader, weights, exact: bool, group: int):
+        from kiln.convert.shard import source_shapes
+
         self.cfg, self.reader, self.weights, self.exact, self.group = cfg, reader, weights, exact, group
+        self.shapes = source_shapes(cfg)  # each HF linear's [out, in], as config.json implies it
         self.tensors: dict[str, torch.Tensor] = {}
         self.excluded: list[str] = []
         self.folded = False  # an act-order down_proj's order moved onto its gate/up rows
@@ -100,8 +104,16 @@ class _Layout:
                 self._write_experts(f"transformer.layers.{i}.{name}", [e[j] for e in experts])
 
     def _read(self, prefix: str):
-        lin = self.reader.read(self.weights, prefix)
-        return lin if lin is None or self.exact else FloatLinear(lin.dequantize())
+        """The plain form of HF linear `prefix` (None: stored unquantized), its shape checked against
+        config.json's before anything is laid out."""
+        lin, expected = self.reader.read(self.weights, prefix), self.shapes[f"{prefix}.weight"]
+        if lin is None:  # read as a float by the converter's plan; fail here, before any work, if it is wrong
+            self.weights.check({f"{prefix}.weight": expected})
+            return None
+        if lin.shape != expected:
+            raise CheckpointError(f"{prefix}: its {self.reader.method} tensors stand for a {list(lin.shape)} weight, "
+                                  f"expected {list(expected)} from config.json")
+        return lin if self.exact else FloatLinear(lin.dequantize())
 
     def _mlp(self, gate: str, up: str, down: str):
         g, u, d = (self._read(p) for p in (gate, up, down))
@@ -168,6 +180,10 @@ def convert(cfg: PretrainedConfig, reader: Reader, weights, qformat: str | None 
     group = (mapping.kiln_group_size(reader.group_size, list(rank_inputs(cfg).values()), reader.describe())
              if algo and algo.startswith("W4") else QuantConfig.group_size)
     layout = _Layout(cfg, reader, weights, exact, group)
+    linears = {f"model.layers.{i}.{p}.weight" for i in range(cfg.num_hidden_layers) for parts in ATTENTION.values()
+               for p in parts} | {f"{p}.weight" for i in range(cfg.num_hidden_layers) for _, mlp in _mlps(cfg, i)
+                                  for p in mlp}
+    weights.check({n: s for n, s in layout.shapes.items() if n not in linears})  # the rest: before any work
     for i in range(cfg.num_hidden_layers):
         layout.layer(i)
     dtype = torch_dtype(cfg.dtype)

@@ -15,6 +15,10 @@ class IntLinear:
     group: torch.Tensor  # int64 [in]: each input's group (GPTQ's g_idx)
     bits: int
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
     def dequantize(self) -> torch.Tensor:
         return (self.codes.float() - self.zero[:, self.group]) * self.scale[:, self.group]
 
@@ -25,6 +29,10 @@ class FP8Linear:
     scale: torch.Tensor  # float32 [1] or [out]
     input_scale: torch.Tensor | None  # float32 [1]; None: activations quantized per token at run time
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
     def dequantize(self) -> torch.Tensor:
         scale = self.scale.float()
         return self.weight.float() * (scale[:, None] if scale.numel() > 1 else scale)
@@ -34,6 +42,10 @@ class FP8Linear:
 class FloatLinear:
     """A format no Kiln kernel runs exactly, dequantized by its reader (bitsandbytes' NF4/FP4)."""
     weight: torch.Tensor  # float32 [out, in]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
 
     def dequantize(self) -> torch.Tensor:
         return self.weight

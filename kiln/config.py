@@ -432,6 +432,11 @@ class BuildConfig:
     # LoRA (TensorRT-LLM's lora_config): {"max_lora_rank": R, "lora_target_modules": [...]} builds the
     # per-token adapter updates into the step (kiln/models/lora.py); None: no adapters.
     lora_config: dict | None = None
+    # "eagle3" (written by engine-build when the checkpoint holds an EAGLE-3 draft, convert_checkpoint
+    # --eagle_model_dir): the engine also returns, for every token, the outputs of the target layers
+    # `hidden_state_layers` the draft reads (kiln/models/eagle3.py), side by side.
+    speculative_decoding_mode: str | None = None
+    hidden_state_layers: list | None = None
     # The kiln_cpp ops an aoti engine calls through C functions, as declared when it was built
     # (kiln/plugins/c_shims.py): checked against the plugins' at load.
     c_shims: list | None = None

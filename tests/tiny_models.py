@@ -44,6 +44,11 @@ VARIANTS = {
     # dynamic NTK with prompts that run past max_position_embeddings
     "llama_dynamic": ("LlamaConfig", "LlamaForCausalLM", dict(
         max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    # the llama above, 4 layers deep: an EAGLE-3 target whose draft reads three different layers
+    "llama_4layers": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_hidden_layers=4, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     # the llama above with its first layer only: a draft model for speculative decoding that agrees
     # with it often, not always
     "llama_draft": ("LlamaConfig", "LlamaForCausalLM", dict(

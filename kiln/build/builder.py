@@ -71,6 +71,25 @@ def _record_tactics(build: BuildConfig, ranks: list, log, verbose: bool) -> None
         log(summary)
 
 
+def _eagle3_draft(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildConfig, log) -> Path | None:
+    """A checkpoint with an EAGLE-3 draft (convert_checkpoint --eagle_model_dir) builds an engine that
+    also returns the target layers' outputs the draft reads; the draft goes into the engine dir."""
+    from kiln.convert.eagle3 import DRAFT_DIR
+    from kiln.models.eagle3 import check_target, draft_shape
+
+    draft = checkpoint_dir / DRAFT_DIR
+    if not draft.is_dir():
+        if build.speculative_decoding_mode == "eagle3":
+            raise ConfigError(f"--speculative_decoding_mode eagle3: checkpoint {checkpoint_dir} holds no EAGLE-3 "
+                              f"draft; convert it with convert_checkpoint --eagle_model_dir DRAFT")
+        return None
+    shape = draft_shape(read_json(draft / "config.json"), pretrained.num_hidden_layers, draft)
+    check_target(shape, pretrained, draft)
+    build.speculative_decoding_mode, build.hidden_state_layers = "eagle3", shape.captured_layers
+    log(f"EAGLE-3 draft {draft}: the engine returns the outputs of layers {shape.captured_layers} for it")
+    return draft
+
+
 def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, tokenizer_dir=None,
                  workers: int = 1, verbose: bool = False, dry_run: bool = False, lora_dirs=()) -> Path:
     """tokenizer_dir: where the tokenizer files come from (default: the checkpoint dir; ModelOpt's
@@ -89,6 +108,7 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
     except ConfigError as e:
         raise ConfigError(f"{checkpoint_dir / 'config.json'}: {e}") from None
     resolve(build, pretrained, log, lora_dirs)
+    draft = _eagle3_draft(checkpoint_dir, pretrained, build, log)
     if dry_run:
         log(f"dry run: {checkpoint_dir} and every option check; nothing built or written ({output_dir})")
         return output_dir
@@ -108,6 +128,8 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
         write_json(tmp / "config.json", EngineConfig(pretrained, build).to_dict())
         tokenizer_from = Path(tokenizer_dir or checkpoint_dir)
         copy_tokenizer_files(tokenizer_from, tmp)
+        if draft is not None:
+            shutil.copytree(draft, tmp / draft.name)
         tokenizer = (f"tokenizer from {tokenizer_from}" if has_tokenizer(tmp) else
                      f"no tokenizer (none in {tokenizer_from}; pass --tokenizer_dir <HF model dir>, or load "
                      f"the engine with skip_tokenizer_init and send token ids)")
@@ -115,7 +137,7 @@ def build_engine(checkpoint_dir, output_dir, build: BuildConfig, log=print, toke
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    size = sum(f.stat().st_size for f in output_dir.iterdir()) / 2**20
+    size = sum(f.stat().st_size for f in output_dir.rglob("*") if f.is_file()) / 2**20
     moe = ""
     if pretrained.moe.num_experts:
         total, active = pretrained.parameter_counts()

@@ -50,7 +50,7 @@ def build_rank(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildC
         weights = load_rank_weights(checkpoint_dir, pretrained, rank)
         lora_modules = () if build.lora_config is None else build.lora_config["lora_target_modules"]
         model = LlamaForCausalLM(pretrained, weights, rank, OpSet(build.op_set), build.quantize_lm_head,
-                                 lora_modules).eval()
+                                 lora_modules, build.hidden_state_layers or ()).eval()
         bar.update(1)
         if timing:
             timed = time.time()

@@ -56,9 +56,13 @@ def _kv_cache(name, value) -> str:
 
 
 def _speculative(name, value) -> str:
+    if value == "eagle":
+        return (f"--{name} {value}: an engine built from a checkpoint with an EAGLE-3 draft (convert_checkpoint "
+                f"--eagle_model_dir) returns the hidden states it reads; speculative_config chooses it at run time")
     if value != "draft_tokens_external":
         raise ConfigError(f"--speculative_decoding_mode {value}: {value} decoding is not supported by Kiln; its "
-                          f"engines verify drafts from a draft engine or prompt lookup (draft_tokens_external)")
+                          f"engines verify drafts from EAGLE-3 (eagle), a draft engine or prompt lookup "
+                          f"(draft_tokens_external)")
     return (f"--{name} {value}: every Kiln engine verifies external drafts; the draft engine or prompt lookup "
             f"is chosen at run time (speculative_config)")
 

@@ -28,8 +28,11 @@ def convert_checkpoint(
     log: Callable[[str], object] | None = None,
     moe_tp_size: int | None = None,
     moe_ep_size: int | None = None,
+    eagle_model_dir: str | Path | None = None,
 ) -> Path:
     """Convert the HF model in `model_dir` into a checkpoint dir with tp_size * pp_size rank files.
+    eagle_model_dir: an EAGLE-3 draft for it, checked first and converted beside it
+    (kiln/convert/eagle3.py).
 
     dtype defaults to the HF config's torch_dtype (float32 when it has none). `quant`
     (kiln.convert.quantize.pipeline.QuantOptions) quantizes weights and/or the KV cache and adds
@@ -38,19 +41,30 @@ def convert_checkpoint(
     checkpoint there is kept).
     """
     # torch/safetensors are imported here, not at module level, so `--help` stays fast.
-    from tqdm import tqdm
-
-    from kiln.convert.hf import HFWeights
     from kiln.convert.hf_config import pretrained_config_from_hf, read_hf_config
-    from kiln.convert.shard import fused_tensors, rank_plan, source_shapes
-    from kiln.convert.writer import check_output_dir, write_checkpoint
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     hf = read_hf_config(model_dir)
     cfg = pretrained_config_from_hf(hf, dtype, tp_size, pp_size, model_dir / "config.json", moe_tp_size, moe_ep_size)
     if (moe_tp_size or moe_ep_size) and not cfg.moe.num_experts:
         raise ConfigError(f"--moe_tp_size / --moe_ep_size split a mixture of experts; {cfg.architecture} has none")
+    if eagle_model_dir is None:
+        return _convert(cfg, hf, model_dir, output_dir, quant, log, progress)
+    from kiln.convert import eagle3
+
+    draft = eagle3.read_draft(Path(eagle_model_dir), cfg, model_dir)
+    _convert(cfg, hf, model_dir, output_dir, quant, log, progress)
+    eagle3.write_draft(*draft, cfg.dtype, output_dir)
+    return output_dir
+
+
+def _convert(cfg, hf: dict, model_dir: Path, output_dir: Path, quant, log, progress: bool) -> Path:
+    from tqdm import tqdm
+
+    from kiln.convert.hf import HFWeights
     from kiln.convert.prequant import detect
+    from kiln.convert.shard import fused_tensors, rank_plan, source_shapes
+    from kiln.convert.writer import check_output_dir, write_checkpoint
 
     reader = detect(hf)
     if reader is not None:
@@ -207,13 +221,16 @@ def _quant_note(quant, output_dir: Path) -> str:
               help="Held-out text for the accuracy report, in --calib_dataset's forms. Repeatable.")
 @click.option("--eval_size", type=int, default=64, show_default=True,
               help="Evaluation windows for the accuracy report, spread over the text; 0: all.")
+@click.option("--eagle_model_dir", type=click.Path(path_type=Path), default=None,
+              help="An EAGLE-3 draft for the model (LlamaForCausalLMEagle3, as published): converted beside it, for "
+                   "speculative_config {\"method\": \"eagle3\"} on the engine built from it.")
 @trtllm_options
 @click.pass_context
 def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | None,
          tp_size: int, pp_size: int, moe_tp_size: int | None, moe_ep_size: int | None, qformat: str | None,
          awq_algorithm: str, kv_cache_dtype: str | None,
          group_size: int | None, calib_dataset: tuple[Path, ...], calib_size: int, calib_max_seq_len: int,
-         eval_dataset: tuple[Path, ...], eval_size: int, **trtllm) -> None:
+         eval_dataset: tuple[Path, ...], eval_size: int, eagle_model_dir: Path | None, **trtllm) -> None:
     """Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 or Mixtral/Qwen2-MoE/Qwen3-MoE model into a
     TensorRT-LLM-style unified checkpoint with tp_size * pp_size rank files, ready for `engine-build`,
     optionally quantized.
@@ -265,7 +282,7 @@ def main(ctx: click.Context, model_dir: Path, output_dir: Path, dtype: str | Non
                            f"where TensorRT-LLM downloads cnn_dailymail")
         convert_checkpoint(model_dir, output_dir, dtype, tp_size, pp_size, progress=not quiet, quant=quant,
                            log=lambda msg: quiet or click.echo(msg, err=True), moe_tp_size=moe_tp_size,
-                           moe_ep_size=moe_ep_size)
+                           moe_ep_size=moe_ep_size, eagle_model_dir=eagle_model_dir)
         arch = read_json(output_dir / "config.json")["architecture"]
     except (ConfigError, OSError) as e:  # OSError: disk full, permissions - one line, no traceback
         click.echo(f"error: {e}", err=True)

@@ -193,8 +193,9 @@ class RankEngine:
             return max(2, budget)
         return max(2, min(enough, budget))
 
-    def __call__(self, inputs: dict, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits; or, on a pipeline stage before the last, the hidden states for the next one."""
+    def __call__(self, inputs: dict, hidden_states: torch.Tensor | None = None):
+        """Logits; or, on a pipeline stage before the last, the hidden states for the next one; or, for
+        an EAGLE-3 target, (logits, [T, layers * hidden] captured hidden states)."""
         extra = {} if hidden_states is None else {HIDDEN_STATES: hidden_states}
         if self.config.pretrained_config.long_rope_threshold:
             extra[SEQUENCE_LENS] = inputs[SEQUENCE_LENS]
@@ -202,7 +203,11 @@ class RankEngine:
             slots = inputs.get(LORA_SLOTS)
             extra[LORA_SLOTS] = torch.full_like(inputs["input_ids"], -1) if slots is None else slots
             extra[LORA_RANKS], extra[LORA_POOLS] = self.lora_ranks, self.lora_pools
-        return self.model(**{name: inputs[name] for name in STEP_INPUTS[:-1]}, kv_cache=self.kv_cache, **extra)
+        out = self.model(**{name: inputs[name] for name in STEP_INPUTS[:-1]}, kv_cache=self.kv_cache, **extra)
+        if isinstance(out, tuple):  # an EAGLE-3 target: the captured layers' outputs, side by side in layer order
+            logits, captured = out
+            return logits, torch.cat([captured[f"layers.{i}"] for i in self.config.build_config.hidden_state_layers], -1)
+        return out
 
     def set_lora(self, slot: int, weights: dict | None) -> None:
         """Adapter slot `slot` holds `weights` (module -> [(A [r, in], B [out, r] scaled) or None per layer

@@ -40,7 +40,10 @@ from kiln.runtime.core.structured_output import StructuredOutputManager
 from kiln.runtime.executor.factory import make_executor
 from kiln.runtime.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo,
                                    IterationStats, SampleDelta, SchedulerStats)
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.threads import available_cpus, configure_threads
+
+PROFILE_MAX_TOKENS = 256  # past this, a step's cost is taken as linear in its tokens
 
 
 @dataclass
@@ -117,7 +120,10 @@ class EngineCore:
         self.sampler = Sampler()
         self.structured = StructuredOutputManager(engine_dir, self.executor.config.pretrained_config.vocab_size,
                                                   overlap=threads < available_cpus())
-        self.spec = SpecDecoder.create(speculative_config, engine_dir, self.executor.config, max_batch_size)
+        self.spec = SpecDecoder.create(speculative_config, engine_dir, self.executor.config, max_batch_size,
+                                       self.executor.num_blocks)
+        if self.spec is not None and self.spec.policy.auto:
+            self._time_steps()
         self.iteration_stats = IterationStats()
         # Steps in flight at once: one per pipeline stage where the executor can overlap them (not
         # while speculating: drafts need the previous step's tokens).
@@ -197,8 +203,11 @@ class EngineCore:
             if step is None:
                 outputs = EngineCoreOutputs([], self.stats())
             else:
+                start = time.perf_counter()
                 step.masks = self._fill_masks(step)
                 outputs = self._process(step, self.executor.execute(step.plan.inputs))  # sample and emit
+                if self.spec is not None:
+                    self.spec.policy.step_cost.record(len(step.plan.inputs["input_ids"]), time.perf_counter() - start)
         outputs.errors += errors
         return outputs
 
@@ -257,9 +266,13 @@ class EngineCore:
         return ScheduledStep(out, plan_step(out, self.build_config.tokens_per_block, self.kv.block_tables,
                                             bool(self.kv.long_rope_threshold), self.scheduler.loras is not None), now)
 
-    def _process(self, step: ScheduledStep, logits: torch.Tensor) -> EngineCoreOutputs:
+    def _process(self, step: ScheduledStep, out) -> EngineCoreOutputs:
         """The step's logits into tokens and outputs. A sequence aborted while its step was in
-        flight is skipped: its blocks are already back in the pool."""
+        flight is skipped: its blocks are already back in the pool. out: the logits, or (an engine
+        built for EAGLE-3) the logits and the captured hidden states of every token."""
+        logits, captured = out if isinstance(out, tuple) else (out, None)
+        if self.spec is not None:
+            self.spec.observe(step.out.scheduled, captured)
         touched: dict[str, tuple[Request, EngineCoreOutput]] = {}
         allowed = step.masks.result() if step.masks is not None else {}
         for seq, n in step.out.scheduled:
@@ -282,10 +295,38 @@ class EngineCore:
                 seq.num_computed_tokens += 1 + res.num_accepted  # K/V of rejected drafts is overwritten later
                 self.kv.cache_full_blocks(seq)
                 self._emit(seq, res.token_ids, res.logprobs, touched, logits[rows])
+        if self.spec is not None:
+            self.spec.prune(self.scheduler.running)
         for req, o in touched.values():
             o.finished, o.first_token_time, o.num_cached_tokens = req.finished, req.first_token_time, req.num_cached_tokens
             o.num_draft_tokens, o.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
         return EngineCoreOutputs([o for _, o in touched.values()], self.stats())
+
+    def _time_steps(self) -> None:
+        """Speculation's cost model starts from measured steps: T = 1, 2, 4, ... tokens in one chunk of
+        a scratch sequence, logits at every token, as verification takes them (spec_policy.py)."""
+        limit = min(self.scheduler.max_num_tokens, self.scheduler.max_batch_size * (1 + self.spec.config.max_draft),
+                    PROFILE_MAX_TOKENS)
+        tokens = 1
+        while tokens <= limit:
+            seq = Sequence(Request("profile", [0] * tokens, SamplingParams(), 1), 0, [0] * tokens)
+            if not self.kv.allocate_slots(seq, tokens):
+                break
+            try:
+                out = SchedulerOutput()
+                out.scheduled.append((seq, tokens))
+                plan = plan_step(out, self.build_config.tokens_per_block, self.kv.block_tables,
+                                 bool(self.kv.long_rope_threshold))
+                plan.inputs["logits_index"] = torch.arange(tokens)
+                times = []
+                for _ in range(3):  # the first warms the caches
+                    start = time.perf_counter()
+                    self.executor.execute(plan.inputs)
+                    times.append(time.perf_counter() - start)
+                self.spec.policy.step_cost.record(tokens, min(times[1:]))
+            finally:
+                self.kv.free(seq)
+            tokens *= 2
 
     @staticmethod
     def _output(touched: dict, req: Request) -> EngineCoreOutput:

@@ -75,6 +75,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     num_draft_tokens: int = 0  # speculative decoding: proposed, and accepted by the target
     num_accepted_tokens: int = 0
+    spec_counts: list | None = None  # per draft position: [accepted], [verified] (spec_policy.Acceptance)
     grammar: Future | None = None  # guided decoding: its grammar, compiling or compiled (structured_output.py)
     group: object = None  # how its sequences are made and advance (request_group.py)
     # What it asked for at prompt positions (prompt logprobs, context logits), taken step by step.

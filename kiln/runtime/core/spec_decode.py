@@ -24,27 +24,48 @@ from pathlib import Path
 import torch
 
 from kiln.config import ConfigError, EngineConfig
+from kiln.runtime.core.eagle3_proposer import Eagle3Proposer
 from kiln.runtime.core.kv_cache_manager import KVCacheManager
 from kiln.runtime.core.request import Request, Sequence
 from kiln.runtime.core.sample.rows import SampleRow, apply_allowed, call_key, draw_stream, draw_uniform, logprob_dicts
 from kiln.runtime.core.sample.torch_sampler import TorchSampler
 from kiln.runtime.core.scheduler import SchedulerOutput
+from kiln.runtime.core.spec_policy import DraftPolicy
 from kiln.runtime.core.step_plan import plan_step
 from kiln.runtime.executor.uniproc import UniprocExecutor
 from kiln.runtime.messages import SpecStats
 from kiln.runtime.sampling_params import SamplingParams
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
 ACCEPT_ROUND, RESIDUAL_ROUND = 1, 2  # draws of a verification, apart from the sampler's own (round 0)
+# TensorRT-LLM's LLM-API names (its decoding configs' decoding_type, max_draft_len, speculative_model_dir)
+DECODING_TYPES = {"NGram": "ngram", "DraftTarget": "draft_model", "Eagle3": "eagle3"}
+TRTLLM_KEYS = {"decoding_type": "method", "max_draft_len": "num_speculative_tokens",
+               "speculative_model_dir": "model", "speculative_model": "model",
+               "max_matching_ngram_size": "prompt_lookup_max"}
+AUTO = "auto"
+AUTO_MAX_DRAFT = 4  # the most tokens "auto" drafts for one request in one step
 
 
 @dataclass
 class SpeculativeConfig:
+    """vLLM's speculative_config (method, model, num_speculative_tokens, prompt_lookup_max/min), and
+    draft_engine_dir for a draft engine; num_speculative_tokens "auto" (the default): each step picks
+    0..AUTO_MAX_DRAFT per request (spec_policy.py)."""
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int | str = AUTO
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     draft_engine_dir: str | None = None
+    model: str | None = None
+
+    @property
+    def auto(self) -> bool:
+        return self.num_speculative_tokens == AUTO
+
+    @property
+    def max_draft(self) -> int:
+        return AUTO_MAX_DRAFT if self.auto else self.num_speculative_tokens
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
@@ -52,25 +73,45 @@ class SpeculativeConfig:
             return None
         if not isinstance(d, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
-        unknown = set(d) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                            "draft_engine_dir"}
+        d = _vllm_names(d)
+        keys = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_engine_dir",
+                "model")
+        unknown = set(d) - set(keys)
         if unknown:
             raise ConfigError(f"speculative_config has unknown key(s) {', '.join(sorted(unknown))}; expected "
-                              f"method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
-                              f"draft_engine_dir")
+                              f"{', '.join(keys)} (or TensorRT-LLM's {', '.join(TRTLLM_KEYS)})")
         if d.get("method") not in METHODS:
             raise ConfigError(f"speculative_config method {d.get('method')!r} is not supported; expected "
                               f"one of {', '.join(METHODS)}")
         c = cls(**d)
-        if not isinstance(c.num_speculative_tokens, int) or c.num_speculative_tokens < 1:
-            raise ConfigError(f"speculative_config num_speculative_tokens must be an int >= 1, got "
-                              f"{c.num_speculative_tokens!r}")
+        k = c.num_speculative_tokens
+        if k != AUTO and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ConfigError(f"speculative_config num_speculative_tokens must be an int >= 1 or \"auto\", got {k!r}")
         if c.method == "ngram" and not 1 <= c.prompt_lookup_min <= c.prompt_lookup_max:
             raise ConfigError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                               f"{c.prompt_lookup_min} and {c.prompt_lookup_max}")
         if c.method == "draft_model" and not c.draft_engine_dir:
             raise ConfigError("speculative_config method draft_model needs draft_engine_dir")
+        if c.model is not None and c.method != "eagle3":
+            raise ConfigError(f"speculative_config model is read for method eagle3 (the EAGLE-3 draft's dir); for "
+                              f"{c.method} {'use draft_engine_dir' if c.method == 'draft_model' else 'leave it out'}")
         return c
+
+
+def _vllm_names(d: dict) -> dict:
+    """TensorRT-LLM's LLM-API names (Eagle3DecodingConfig(max_draft_len=3, speculative_model_dir=...)) as vLLM's."""
+    out = {}
+    for key, value in d.items():
+        name = TRTLLM_KEYS.get(key, key)
+        if key == "decoding_type":
+            if value not in DECODING_TYPES:
+                raise ConfigError(f"speculative_config decoding_type {value!r} is not supported; expected one of "
+                                  f"{', '.join(DECODING_TYPES)}")
+            value = DECODING_TYPES[value]
+        if name in out and out[name] != value:
+            raise ConfigError(f"speculative_config gives {name} twice, as {key} and as {name}: use one")
+        out[name] = value
+    return out
 
 
 class NgramProposer:
@@ -262,35 +303,55 @@ def verify(sampler, logits: torch.Tensor, rows: list[SampleRow], drafts: list[li
 
 class SpecDecoder:
     """Drafts for the decoding sequences before a step, and their verification after it. A sequence
-    drafts as many tokens as its limits leave room for: num_speculative_tokens at most, none past its
-    max_tokens (the last token is the target's own) or the engine's max_seq_len."""
+    drafts as many tokens as the policy gives it (spec_policy.py), none past its max_tokens (the last
+    token is the target's own) or the engine's max_seq_len."""
 
-    def __init__(self, config: SpeculativeConfig, target_dir, target_config, max_batch_size: int):
-        self.proposer = (NgramProposer(config) if config.method == "ngram" else
-                         DraftProposer(config, target_dir, target_config, max_batch_size))
-        self.num_speculative_tokens = config.num_speculative_tokens
+    def __init__(self, config: SpeculativeConfig, target_dir, target_config, max_batch_size: int,
+                 target_blocks: int = 0):
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config)
+        elif config.method == "eagle3":
+            self.proposer = Eagle3Proposer(config.model, target_dir, target_config, max_batch_size, target_blocks)
+        else:
+            self.proposer = DraftProposer(config, target_dir, target_config, max_batch_size)
+        self.config = config
         self.max_seq_len = target_config.build_config.max_seq_len
-        self.stats = SpecStats(accepted_per_pos=[0] * self.num_speculative_tokens)
+        self.stats = SpecStats(accepted_per_pos=[0] * config.max_draft)
+        self.policy = DraftPolicy(config.auto, config.max_draft, self.stats)
 
     @classmethod
     def create(cls, speculative_config: dict | None, target_dir, target_config,
-               max_batch_size: int) -> SpecDecoder | None:
+               max_batch_size: int, target_blocks: int = 0) -> SpecDecoder | None:
         config = SpeculativeConfig.from_dict(speculative_config)
-        return None if config is None else cls(config, target_dir, target_config, max_batch_size)
+        return None if config is None else cls(config, target_dir, target_config, max_batch_size, target_blocks)
+
+    def prune(self, running: list[Sequence]) -> None:
+        """After a step: the proposer drops what it holds for sequences no longer running (finished, preempted)."""
+        self.proposer.prune({id(s) for s in running})
+
+    def observe(self, scheduled: list, captured: torch.Tensor | None) -> None:
+        """A step's captured target hidden states, for a proposer that reads them (EAGLE-3)."""
+        if captured is not None and hasattr(self.proposer, "observe"):
+            self.proposer.observe(scheduled, captured)
 
     def propose(self, running: list[Sequence]) -> None:
-        seqs, ks = [], []
+        seqs, limits, other = [], [], 0
         for seq in running:
             seq.draft_token_ids = []
             req = seq.request
             if req.forked and not seq.prefilling and not req.params.use_beam_search:  # beams reorder: nothing to follow
-                k = min(self.num_speculative_tokens, req.max_tokens - seq.num_output_tokens - 1,
-                        self.max_seq_len - seq.num_tokens)
-                if k > 0:
+                limit = min(req.max_tokens - seq.num_output_tokens - 1, self.max_seq_len - seq.num_tokens)
+                if limit > 0:
                     seqs.append(seq)
-                    ks.append(k)
-        self.proposer.prune({id(s) for s in running})
-        for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks)):
+                    limits.append(limit)
+                    continue
+            other += 1 if not seq.prefilling else seq.num_tokens - seq.num_computed_tokens
+        ks = self.policy.choose([s.request for s in seqs], limits, other)
+        drafting = [(s, k) for s, k in zip(seqs, ks) if k > 0]
+        if not drafting:
+            return
+        seqs, ks = zip(*drafting)
+        for seq, drafts in zip(seqs, self.policy.timed_propose(self.proposer.propose, list(seqs), list(ks))):
             seq.draft_token_ids = drafts
 
     def verify(self, sampler, logits: torch.Tensor, to_verify: list[tuple[Sequence, list[int]]],
@@ -309,6 +370,7 @@ class SpecDecoder:
             req = seq.request
             req.num_draft_tokens += len(d)
             req.num_accepted_tokens += res.num_accepted
+            self.policy.acceptance.record(req, len(d), res.num_accepted)
             stats.num_drafts += 1
             stats.num_draft_tokens += len(d)
             stats.num_accepted_tokens += res.num_accepted

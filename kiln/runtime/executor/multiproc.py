@@ -211,7 +211,8 @@ class MultiprocExecutor(Executor):
                 message = self._recv(rank)
                 if message[0] == "result" and rank == self.result_rank:
                     n, self._collected = self._collected, self._collected + 1
-                    return (self.results.read(n) if message[1] is None else decode(message[1]))[1]["logits"]
+                    out = (self.results.read(n) if message[1] is None else decode(message[1]))[1]
+                    return (out["logits"], out["captured"]) if "captured" in out else out["logits"]
                 raise self._fail(message[2] if message[0] == "error" else f"rank {rank} sent {message[0]!r}")
 
     def shutdown(self) -> None:

@@ -109,11 +109,12 @@ def main(spec: dict, wake_fd: int, reply: Connection) -> int:
             if kind == "allocate":
                 worker.engine.allocate(int(tensors["num_blocks"]))
                 continue
-            logits = worker.execute(tensors)
+            out = worker.execute(tensors)
             if results is not None:  # the executor reads result r from slot r, in order
-                fits = results.write(returned, "logits", {"logits": logits})
+                out = {"logits": out[0], "captured": out[1]} if isinstance(out, tuple) else {"logits": out}
+                fits = results.write(returned, "logits", out)
                 returned += 1
-                reply.send(("result", None if fits else encode("logits", {"logits": logits})))
+                reply.send(("result", None if fits else encode("logits", out)))
     except Exception as e:  # noqa: BLE001 - a rank that fails a step takes the engine down
         reply.send(("error", *error_report(rank, e)))
         return 1

@@ -1,0 +1,120 @@
+"""How many tokens each decoding sequence drafts in a step.
+
+A fixed num_speculative_tokens drafts that many (as its limits allow). "auto" picks k per request,
+0 included, each step, to maximize the tokens the step is expected to emit per second:
+
+- a request's draft j is accepted with probability a_j, the request's running acceptance at position
+  j given the one before was accepted, pulled towards the engine's rate at that position while it has
+  few verifications of its own; k drafts emit 1 + a_1 + a_1 a_2 + ... tokens in expectation;
+- a step of T tokens costs `StepCost.seconds(T)`, measured when the engine starts (T = 1, 2, 4, ...
+  tokens in one step) and kept up to date from the steps it runs; drafting costs the proposer's
+  measured seconds per drafting pass.
+
+Adding drafts in order of their expected gain, the policy keeps the count that maximizes expected
+tokens / expected seconds, which is 0 drafts (the plain step) whenever no draft pays for itself:
+under load, verifying more tokens costs more than the drafts are expected to save.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+
+from kiln.runtime.messages import SpecStats
+
+PRIOR_WEIGHT = 4.0  # verifications of its own before a request's rate counts as much as the engine's
+EMA = 0.2  # weight of a new timing
+
+
+class StepCost:
+    """Seconds per step by its token count, interpolated between measured counts."""
+
+    def __init__(self):
+        self.points: dict[int, float] = {}
+
+    def record(self, tokens: int, seconds: float) -> None:
+        old = self.points.get(tokens)
+        self.points[tokens] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def seconds(self, tokens: int) -> float:
+        xs = sorted(self.points)
+        if not xs:
+            return 0.0
+        i = bisect.bisect_left(xs, tokens)
+        if i < len(xs) and xs[i] == tokens:
+            return self.points[tokens]
+        if i == 0:
+            return self.points[xs[0]]
+        if i == len(xs):  # past the largest measured: linear in the tokens from the two largest
+            if len(xs) == 1:
+                return self.points[xs[-1]] * tokens / xs[-1]
+            x0, x1 = xs[-2], xs[-1]
+        else:
+            x0, x1 = xs[i - 1], xs[i]
+        y0, y1 = self.points[x0], self.points[x1]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+
+class Acceptance:
+    """Per-position acceptance: the engine's, and each request's own (on the request, in spec_counts)."""
+
+    def __init__(self, stats: SpecStats, max_draft: int):
+        self.stats, self.tried = stats, [0] * max_draft
+
+    def record(self, req, num_drafted: int, num_accepted: int) -> None:
+        counts = req.spec_counts
+        if counts is None:
+            counts = req.spec_counts = [[0] * len(self.tried), [0] * len(self.tried)]
+        for j in range(min(num_accepted + 1, num_drafted)):  # positions tried: up to the first rejection
+            self.tried[j] += 1
+            counts[1][j] += 1
+            counts[0][j] += j < num_accepted
+
+    def rates(self, req) -> list[float]:
+        """a_j: P(draft j accepted | draft j - 1 accepted)."""
+        out = []
+        for j, tried in enumerate(self.tried):
+            engine = (self.stats.accepted_per_pos[j] + 1) / (tried + 2)
+            mine, n = (0, 0) if req.spec_counts is None else (req.spec_counts[0][j], req.spec_counts[1][j])
+            out.append((mine + PRIOR_WEIGHT * engine) / (n + PRIOR_WEIGHT))
+        return out
+
+
+class DraftPolicy:
+    def __init__(self, auto: bool, max_draft: int, stats: SpecStats):
+        self.auto, self.max_draft = auto, max_draft
+        self.step_cost = StepCost()
+        self.draft_cost = StepCost()  # seconds per drafting pass, by the sequences drafting
+        self.acceptance = Acceptance(stats, max_draft)
+
+    def choose(self, reqs: list, limits: list[int], other_tokens: int) -> list[int]:
+        """Drafts per sequence (each at most its limit); other_tokens: what else the step computes."""
+        if not self.auto:
+            return [min(self.max_draft, lim) for lim in limits]
+        gains = []  # (expected tokens it adds, sequence, its draft index)
+        for i, (req, lim) in enumerate(zip(reqs, limits)):
+            p = 1.0
+            for j, a in enumerate(self.acceptance.rates(req)[:lim]):
+                p *= a
+                gains.append((p, i, j))
+        gains.sort(key=lambda g: -g[0])
+        base = len(reqs) + other_tokens
+        best_rate, best_n = len(reqs) / max(self.step_cost.seconds(base), 1e-9), 0
+        expected, depth, drafting = float(len(reqs)), [0] * len(reqs), 0
+        for n, (gain, i, _) in enumerate(gains, 1):
+            drafting += depth[i] == 0
+            depth[i] += 1
+            expected += gain
+            seconds = self.step_cost.seconds(base + n) + max(depth) * self.draft_cost.seconds(drafting)
+            if expected / seconds > best_rate:
+                best_rate, best_n = expected / seconds, n
+        ks = [0] * len(reqs)
+        for _, i, _ in gains[:best_n]:
+            ks[i] += 1
+        return ks
+
+    def timed_propose(self, propose, seqs: list, ks: list[int]) -> list[list[int]]:
+        start = time.perf_counter()
+        drafts = propose(seqs, ks)
+        if seqs and max(ks):
+            self.draft_cost.record(len(seqs), (time.perf_counter() - start) / max(ks))
+        return drafts

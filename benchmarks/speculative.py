@@ -68,12 +68,14 @@ def functions(tokenizer, lo: int, hi: int) -> list[str]:
     return out
 
 
-def workloads(tokenizer, n: int) -> dict[str, list[str]]:
+def workloads(tokenizer, n: int, names) -> dict[str, list[str]]:
     fns = functions(tokenizer, 60, 160)  # shown whole, then a third again: in the model's 256-token training window
-    if len(fns) < 2 * n:
-        sys.exit(f"only {len(fns)} functions of 60-160 tokens in the held-out stdlib files; ask for fewer "
-                 f"than {len(fns) // 2 + 1} prompts")
-    repetitive, fresh = fns[0::2][:n], fns[1::2][:n]
+    repetitive = fns[0::2][:n]
+    fresh = [src for src in functions(tokenizer, 40, 600) if src not in repetitive][:n]  # only their first third
+    for name, got in (("repetitive", repetitive), ("fresh", fresh)):
+        if name in names and len(got) < n:
+            sys.exit(f"only {len(got)} functions for the {name} workload in the held-out stdlib files; ask for fewer "
+                     f"prompts")
 
     def head(src: str) -> str:
         """Its first third, cut after a word inside a line: a prompt ending at a line's end is as
@@ -81,7 +83,8 @@ def workloads(tokenizer, n: int) -> dict[str, list[str]]:
         cut = src[:len(src) // 3].rstrip()
         return cut[:cut.rfind(" ")] if " " in cut.splitlines()[-1].strip() else cut
 
-    return {"repetitive": [f"{src}\n\n{head(src)}" for src in repetitive], "fresh": [head(src) for src in fresh]}
+    work = {"repetitive": [f"{src}\n\n{head(src)}" for src in repetitive], "fresh": [head(src) for src in fresh]}
+    return {name: work[name] for name in names}
 
 
 # ---------------------------------------------------------------------------------- engines
@@ -110,7 +113,7 @@ def draft_model(model_dir: Path, out: Path, layers: int) -> Path:
     return out
 
 
-def engine(hf_dir: Path, work: Path, name: str, max_batch: int, rebuild: bool) -> Path:
+def engine(hf_dir: Path, work: Path, name: str, max_batch: int, rebuild: bool, eagle: Path | None = None) -> Path:
     from kiln.build.builder import build_engine
     from kiln.config import BuildConfig
     from kiln.convert.cli import convert_checkpoint
@@ -121,7 +124,7 @@ def engine(hf_dir: Path, work: Path, name: str, max_batch: int, rebuild: bool) -
     shutil.rmtree(out, ignore_errors=True)
     ckpt = work / f"ckpt_{name}"
     if not (ckpt / "config.json").exists():
-        convert_checkpoint(hf_dir, ckpt, dtype="bfloat16")
+        convert_checkpoint(hf_dir, ckpt, dtype="bfloat16", eagle_model_dir=eagle)
     # Both engines alike: the draft must hold as long a sequence as the target.
     build = BuildConfig(max_batch_size=max_batch, max_input_len=512, max_seq_len=1024, max_num_tokens=4096,
                         tokens_per_block=32, backend="aoti")  # a batch of 16 prompts prefills in one step
@@ -132,6 +135,17 @@ def engine(hf_dir: Path, work: Path, name: str, max_batch: int, rebuild: bool) -
 
 
 # ---------------------------------------------------------------------------------- measuring
+def merge(a: dict, b: dict) -> dict:
+    """Two rounds of one method as one: tokens and seconds summed."""
+    out = {key: a[key] + b[key] for key in ("decode_tokens", "seconds", "num_drafts", "num_draft_tokens",
+                                            "num_accepted_tokens")}
+    out["decode_tokens_per_s"] = out["decode_tokens"] / out["seconds"]
+    out["outputs"] = a["outputs"]
+    out["acceptance_rate"] = out["num_accepted_tokens"] / out["num_draft_tokens"] if out["num_draft_tokens"] else None
+    out["mean_accepted_length"] = 1 + out["num_accepted_tokens"] / out["num_drafts"] if out["num_drafts"] else None
+    return out
+
+
 def measure(llm, prompts: list[str], params, batch: int) -> dict:
     """Decode tokens/s over the prompts, `batch` at a time: tokens after each request's first,
     over the time from a batch's first first token to its last finish (prefill left out)."""
@@ -159,14 +173,19 @@ def main():
     ap.add_argument("--work_dir", type=Path, default=Path("bench_out/speculative"),
                     help="checkpoints and engines, built once and reused")
     ap.add_argument("--draft_layers", type=int, default=2, help="decoder layers the draft keeps")
-    ap.add_argument("--num_prompts", type=int, default=16, help="prompts per workload")
+    ap.add_argument("--num_prompts", type=int, default=64, help="prompts per workload")
     ap.add_argument("--max_tokens", type=int, default=128, help="new tokens per request")
-    ap.add_argument("--num_speculative_tokens", "-k", type=int, default=4)
+    ap.add_argument("--num_speculative_tokens", "-k", type=int, default=3, help="k of the fixed-k methods")
+    ap.add_argument("--eagle_model_dir", type=Path, default=ROOT / "models" / "kiln-tiny-stdlib-eagle3",
+                    help="the EAGLE-3 draft (converted beside the target into an engine of its own)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds, each running every method in turn")
+    ap.add_argument("--workloads", nargs="+", default=["fresh"], choices=["fresh", "repetitive"])
     ap.add_argument("--prompt_lookup_max", type=int, default=4)
     ap.add_argument("--prompt_lookup_min", type=int, default=1)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="requests at a time (one run each)")
-    ap.add_argument("--methods", nargs="+", default=["none", "ngram", "draft_model"],
-                    choices=["none", "ngram", "draft_model"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64], help="requests at a time (one run each)")
+    ap.add_argument("--methods", nargs="+", default=["none", "eagle3", "eagle3-auto", "ngram", "ngram-auto"],
+                    choices=["none", "ngram", "ngram-auto", "draft_model", "eagle3", "eagle3-auto"],
+                    help="-auto: num_speculative_tokens \"auto\" (k per request and step, 0 included)")
     # On a machine busy with other work, 1: two OpenMP threads waiting at each other's barriers on
     # oversubscribed cores made this model's steps 100x slower here.
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -183,30 +202,45 @@ def main():
     max_batch = max(args.batch)
     target = engine(args.model_dir, args.work_dir, "target", max_batch, args.rebuild)
     k = args.num_speculative_tokens
-    configs = {"none": None,
-               "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.prompt_lookup_max,
-                         "prompt_lookup_min": args.prompt_lookup_min}}
+    ngram = {"method": "ngram", "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    configs = {"none": None, "ngram": {**ngram, "num_speculative_tokens": k},
+               "ngram-auto": {**ngram, "num_speculative_tokens": "auto"},
+               "eagle3": {"method": "eagle3", "num_speculative_tokens": k},
+               "eagle3-auto": {"method": "eagle3", "num_speculative_tokens": "auto"}}
+    engines = dict.fromkeys(configs, target)
+    if any(m.startswith("eagle3") for m in args.methods):  # the same target, built to return the draft's layers
+        engines["eagle3"] = engines["eagle3-auto"] = engine(args.model_dir, args.work_dir, "target_eagle3", max_batch,
+                                                            args.rebuild, args.eagle_model_dir)
     if "draft_model" in args.methods:
         hf_draft = draft_model(args.model_dir, args.work_dir / f"hf_draft{args.draft_layers}", args.draft_layers)
         configs["draft_model"] = {"method": "draft_model", "num_speculative_tokens": k, "draft_engine_dir": str(
             engine(hf_draft, args.work_dir, f"draft{args.draft_layers}", max_batch, args.rebuild))}
+        engines["draft_model"] = target
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)  # the same work for all
-    results, work = {}, None
-    for method in args.methods:
-        llm = LLM(target, speculative_config=configs[method], threads=args.threads)
-        if work is None:
-            work = workloads(llm.get_tokenizer(), args.num_prompts)
-        llm.generate(work["fresh"][0], SamplingParams(temperature=0, max_tokens=8))  # warm-up
+    llms = {m: LLM(engines[m], speculative_config=configs[m], threads=args.threads, enable_prefix_caching=False)
+            for m in args.methods}
+    work = workloads(next(iter(llms.values())).get_tokenizer(), args.num_prompts, args.workloads)
+    for llm in llms.values():
+        llm.generate(work[args.workloads[0]][0], SamplingParams(temperature=0, max_tokens=8))  # warm-up
+    results = {}
+    for round_ in range(args.rounds):  # methods alternate, so that a slower stretch of the machine hits all
         for name, prompts in work.items():
             for b in args.batch:
-                results[(method, name, b)] = r = measure(llm, prompts, params, b)
-                print(f"{method}, {name}, batch {b}: {r['decode_tokens_per_s']:.1f} decode tok/s", file=sys.stderr)
+                for method, llm in llms.items():
+                    r = measure(llm, prompts, params, b)
+                    prev = results.get((method, name, b))
+                    results[(method, name, b)] = r if prev is None else merge(prev, r)
+                    print(f"round {round_}, {method}, {name}, batch {b}: {r['decode_tokens_per_s']:.1f} decode tok/s",
+                          file=sys.stderr)
+    for llm in llms.values():
         llm.llm_engine.shutdown()
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
-    print(f"\nk = {k}; ngram lookup {args.prompt_lookup_min}-{args.prompt_lookup_max} tokens; draft: the first "
+    print(f"\nk = {k} (-auto: chosen per request and step); ngram lookup {args.prompt_lookup_min}-"
+          f"{args.prompt_lookup_max} tokens; EAGLE-3 draft {args.eagle_model_dir}; draft_model: the first "
           f"{args.draft_layers} of the target's layers; {args.num_prompts} prompts x {args.max_tokens} new tokens, "
-          "greedy\n")
+          f"greedy, {args.rounds} rounds\n")
     cols = ["workload", "batch", "method", "decode tok/s", "vs none", "acceptance", "mean accepted length",
             "same tokens as none"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))

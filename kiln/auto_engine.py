@@ -34,6 +34,7 @@ class BuildRequest:
     max_num_tokens: int = 2048
     backend: str = "aoti"
     lora_config: dict | None = None
+    eagle_model_dir: str | None = None  # an EAGLE-3 draft converted beside the model (kiln/convert/eagle3.py)
 
 
 def is_engine_dir(path) -> bool:
@@ -84,7 +85,8 @@ def _key(model: Path, request: BuildRequest) -> str:
     from kiln.version import __version__
 
     h = hashlib.sha256(json.dumps([str(model.resolve()), asdict(request), __version__]).encode())
-    for f in sorted(model.iterdir()):
+    files = sorted(model.iterdir()) + (sorted(Path(request.eagle_model_dir).iterdir()) if request.eagle_model_dir else [])
+    for f in files:
         if f.name in MODEL_FILES:
             h.update(f.name.encode() + f.read_bytes())
         elif f.suffix == ".safetensors":  # weights by name, size and time: a changed file builds anew
@@ -107,7 +109,7 @@ def _build(model: Path, out: Path, request: BuildRequest, log) -> None:
     try:
         quant = QuantOptions(request.qformat, default_calibration=True) if request.qformat else None
         ckpt = convert_checkpoint(model, work / "checkpoint", request.dtype, request.tp_size, request.pp_size,
-                                  quant=quant, log=log)
+                                  quant=quant, log=log, eagle_model_dir=request.eagle_model_dir)
         seq_len = request.max_seq_len  # a prompt may take all of it, as in vLLM
         build = BuildConfig(max_batch_size=request.max_batch_size, max_seq_len=seq_len, max_input_len=seq_len,
                             max_num_tokens=max(request.max_num_tokens, request.max_batch_size),

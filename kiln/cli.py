@@ -1,4 +1,5 @@
 """`kiln`: one command for the whole pipeline (convert, build, run)."""
+import json
 import sys
 import time
 
@@ -113,7 +114,10 @@ def eval_ppl(engine_dir, files, more_files, max_len, threads):
 @click.option("--threads", type=int, default=None, help=THREADS_HELP)
 @click.option("--enable_prefix_caching/--no_enable_prefix_caching", default=True, show_default=True,
               help="Prompts that share a prefix compute it once.")
-def run(engine_dir, prompts, threads, stop, enable_prefix_caching, beam_width, **sampling):
+@click.option("--speculative_config", default=None,
+              help='Speculative decoding, as JSON (vLLM\'s names): {"method": "eagle3"} on an engine built with an '
+                   'EAGLE-3 draft, {"method": "ngram"}; num_speculative_tokens defaults to "auto".')
+def run(engine_dir, prompts, threads, stop, enable_prefix_caching, beam_width, speculative_config, **sampling):
     """Generate from an engine dir, streaming each prompt's text to the terminal."""
     from kiln.runtime.frontend.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
@@ -123,9 +127,11 @@ def run(engine_dir, prompts, threads, stop, enable_prefix_caching, beam_width, *
             raise ValueError(f"--beam_width must be >= 1, got {beam_width}")
         beam = dict(use_beam_search=True, best_of=beam_width) if beam_width > 1 else {}
         params = SamplingParams(stop=list(stop) or None, **sampling, **beam)
-        engine = LLMEngine(engine_dir, threads=threads, enable_prefix_caching=enable_prefix_caching)
+        spec = None if speculative_config is None else json.loads(speculative_config)
+        engine = LLMEngine(engine_dir, threads=threads, enable_prefix_caching=enable_prefix_caching,
+                           speculative_config=spec)
         requests = [engine.add_request(p, params) for p in prompts]
-    except ValueError as e:
+    except ValueError as e:  # ConfigError and a bad JSON too
         raise click.ClickException(str(e)) from None
     shown = {rid: 0 for rid in requests}
     current = 0
@@ -157,3 +163,10 @@ def run(engine_dir, prompts, threads, stop, enable_prefix_caching, beam_width, *
                 click.echo(prompts[current], nl=False)
     total = sum(len(o.outputs[0].token_ids) for o in done.values())
     click.echo(f"generated {total} tokens for {len(requests)} prompt(s) in {time.monotonic() - start:.2f}s", err=True)
+    stats = engine.core.stats().spec
+    if stats is not None:
+        rates = " ".join(f"{n / max(stats.num_drafts, 1):.2f}" for n in stats.accepted_per_pos)
+        click.echo(f"speculation: {stats.num_draft_tokens} tokens drafted in {stats.num_drafts} proposals, "
+                   f"{stats.num_accepted_tokens} accepted; mean acceptance length "
+                   f"{1 + stats.num_accepted_tokens / max(stats.num_drafts, 1):.2f} tokens per step; accepted "
+                   f"per proposal by position: {rates}", err=True)

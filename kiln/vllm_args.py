@@ -85,7 +85,8 @@ def resolve(args: EngineArgs, log=print) -> tuple[Path, dict]:
                                max_num_tokens=max(args.max_num_batched_tokens or 0, 2048),
                                backend="eager" if args.enforce_eager else "aoti",
                                lora_config={"max_lora_rank": max(args.max_lora_rank or 0, 16),
-                                            "lora_target_modules": LORA_MODULES} if args.enable_lora else None)
+                                            "lora_target_modules": LORA_MODULES} if args.enable_lora else None,
+                               eagle_model_dir=_eagle_draft(args))
         engine_dir = engine_for(args.model, request, log)
     core = {"max_batch_size": args.max_num_seqs, "max_num_tokens": args.max_num_batched_tokens,
             **_kv_cache(args, EngineConfig.load(engine_dir)), "max_model_len": args.max_model_len,
@@ -206,6 +207,22 @@ def _kv_cache(args: EngineArgs, engine: EngineConfig) -> dict:
 
 def _dtype_name(dtype: str) -> str | None:
     return None if dtype == "auto" else {"half": "float16", "float": "float32"}.get(dtype, dtype)
+
+
+def _eagle_draft(args: EngineArgs) -> str | None:
+    """An HF model served with an EAGLE-3 draft ({"method": "eagle3", "model": DRAFT}): the draft is
+    converted and built into its engine, which the core then reads it from."""
+    config = args.speculative_config
+    if not isinstance(config, dict) or config.get("method") != "eagle3" or not config.get("model"):
+        return None
+    draft = Path(config["model"]).expanduser().resolve()
+    if not draft.is_dir():
+        raise ConfigError(f"speculative_config model {config['model']}: no such directory (expected an EAGLE-3 "
+                          f"draft dir)")
+    args.speculative_config = {k: v for k, v in config.items() if k != "model"}
+    args.notes.append(f"speculative_config model {config['model']}: the EAGLE-3 draft is converted and built into "
+                      f"the model's engine, which speculates with it")
+    return str(draft)
 
 
 def _speculative(args: EngineArgs, engine_dir: Path, log) -> dict | None:

@@ -43,7 +43,7 @@ def make_draft(path: Path, target: dict, layer_ids=None, draft_vocab_size: int |
         "draft_vocab_size": Dv, "max_position_embeddings": target["max_position_embeddings"],
         "rope_theta": target.get("rope_theta", 10000.0), "rope_scaling": target.get("rope_scaling"),
         "tie_word_embeddings": False, "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids or (1, n // 2 + 1, n)),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids or (1, n // 2, n - 1)),
                          "use_aux_hidden_state": True},
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))

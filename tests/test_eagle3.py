@@ -234,3 +234,42 @@ def test_auto_policy_drafts_only_where_it_pays():
     policy.draft_cost.points = {1: 1.0}
     assert policy.choose([good], [4], 0) == [0]  # a draft pass slower than a step: none
     assert math.isclose(policy.step_cost.seconds(12), 0.015)
+
+
+def test_guided_sampled_and_cached_requests_under_eagle3(eagle_engine):
+    """Greedy guided requests emit what plain guided decoding emits (drafts the grammar refuses are
+    rejected, the matcher rolled back); seeded sampled requests are reproducible; a repeated prompt (a
+    prefix-cache hit, whose target states the draft never saw) still decodes exactly."""
+    from kiln.runtime.sampling_params import GuidedDecodingParams
+
+    engine = eagle_engine("llama_4layers")[0]
+    plain, spec = LLM(engine), LLM(engine, speculative_config={"method": "eagle3", "num_speculative_tokens": 3})
+    guide = GuidedDecodingParams(regex=r"(ab|cd){3,8}[0-9]{2}")
+    params = SamplingParams(temperature=0, max_tokens=24, guided_decoding=guide)
+    want = [o.outputs[0].text for o in plain.generate(PROMPTS[:3], params)]
+    assert [o.outputs[0].text for o in spec.generate(PROMPTS[:3], params)] == want
+    # Seeded draws are reproducible where the drafts are: a sampled output depends on what was drafted,
+    # and a cached prompt's drafts differ from a computed one's
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True)
+    runs = [LLM(engine, speculative_config={"method": "eagle3", "num_speculative_tokens": 3},
+                enable_prefix_caching=False).generate(PROMPTS, sampled) for _ in range(2)]
+    assert tokens(runs[0]) == tokens(runs[1])
+    again = tokens(spec.generate(PROMPTS, greedy()))  # every prompt cached by now
+    assert again == tokens(plain.generate(PROMPTS, greedy()))
+    assert spec.llm_engine.core.stats().spec.num_drafts > 0
+
+
+def test_kiln_run_speculates_and_reports_acceptance(eagle_engine):
+    import subprocess
+    import sys
+
+    engine = eagle_engine("llama_4layers")[0]
+    kiln = Path(sys.executable).parent / "kiln"
+    out = subprocess.run([str(kiln), "run", "--engine_dir", str(engine), "--prompt", "import json", "--max_tokens", "16",
+                          "--speculative_config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "mean acceptance length" in out.stderr and "tokens drafted" in out.stderr
+    bad = subprocess.run([str(kiln), "run", "--engine_dir", str(engine), "--prompt", "x",
+                          "--speculative_config", '{"method": "medusa"}'], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "method 'medusa' is not supported" in bad.stderr

@@ -85,7 +85,7 @@ def test_check_names_every_problem_of_a_hand_filled_repository(engine_dir, tmp_p
                 gpt_model_type="inflight_fused_batching", batch_scheduler_policy="max_utilization",
                 max_tokens_in_paged_kv_cache="", kv_cache_free_gpu_mem_fraction="", enable_chunked_context="false",
                 enable_kv_cache_reuse="false", exclude_input_in_output="false", max_beam_width="1",
-                cancellation_check_period_ms="100", stats_check_period_ms="often")
+                cancellation_check_period_ms="100", stats_check_period_ms="often", decoding_mode="top_k_top_p")
     for f in hand.rglob("config.pbtxt"):
         f.write_text(string.Template(f.read_text()).safe_substitute(subs))
     result = CliRunner().invoke(cli, ["triton-repo", "--check", str(hand)])

@@ -288,3 +288,33 @@ def test_the_guides_prometheus_queries_return_series(env, tmp_path):
         prom.terminate()
         prom.wait(timeout=30)
         server.stop()
+
+
+# vLLM's docs (features/spec_decode.md, EAGLE drafts): the target and draft paths replaced.
+VLLM_EAGLE3 = ("vllm serve {model} --speculative-config '{{\"model\": \"{draft}\", \"num_speculative_tokens\": 2, "
+               "\"method\": \"eagle3\", \"draft_tensor_parallel_size\": 1}}'")
+
+
+def test_vllms_eagle3_line(env, tmp_path):
+    """The draft is converted and built into the model's engine on first use; greedy completions are the
+    plain engine's, and the acceptance counters reach /metrics under vLLM's names."""
+    from eagle3_drafts import make_draft
+
+    draft = ROOT / "models" / "kiln-tiny-stdlib-eagle3"
+    if not (draft / "config.json").is_file():
+        draft = make_draft(tmp_path / "draft", json.loads((MODEL / "config.json").read_text()))
+    server = Serve(VLLM_EAGLE3, env, tmp_path / "eagle3.log", model=MODEL, draft=draft)
+    try:
+        got = server.complete(str(MODEL))
+        metrics = httpx.get(f"{server.url}/metrics").text
+    finally:
+        log = server.stop()
+    plain = Serve(GUIDE_SERVE[0], env, tmp_path / "plain.log", model=MODEL)
+    try:
+        assert got == plain.complete(str(MODEL))
+    finally:
+        plain.stop()
+    assert "the EAGLE-3 draft is converted and built into the model's engine" in log
+    drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_draft_tokens_total")]
+    assert drafts and float(drafts[0].split()[-1]) > 0, metrics
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" in metrics

@@ -24,7 +24,8 @@ from kiln.triton_backend.metrics import EngineMetrics
 
 PARAMS = ["gpt_model_path", "gpt_model_type", "batch_scheduler_policy", "max_tokens_in_paged_kv_cache",
           "kv_cache_free_gpu_mem_fraction", "enable_chunked_context", "enable_kv_cache_reuse",
-          "exclude_input_in_output", "max_beam_width", "cancellation_check_period_ms", "stats_check_period_ms"]
+          "exclude_input_in_output", "max_beam_width", "cancellation_check_period_ms", "stats_check_period_ms",
+          "decoding_mode"]
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -78,7 +79,8 @@ class TritonPythonModel(EngineHost):
                             enable_chunked_prefill=p["enable_chunked_context"],
                             enable_prefix_caching=p["enable_kv_cache_reuse"],
                             kv_cache_free_mem_fraction=p["kv_cache_free_gpu_mem_fraction"],
-                            max_tokens_in_paged_kv_cache=p["max_tokens_in_paged_kv_cache"])
+                            max_tokens_in_paged_kv_cache=p["max_tokens_in_paged_kv_cache"],
+                            speculative_config={"method": "eagle3"} if p.get("decoding_mode") == "eagle" else None)
         self.tokenizer = self.llm.tokenizer
         # LoRA adapters by lora_task_id, each written where its first request's weights came in
         self.lora_tasks: dict[int, object] = {}

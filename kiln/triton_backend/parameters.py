@@ -60,6 +60,10 @@ PARAMETERS: dict[str, Param] = {
     # On when unset, as the engine's own default and tensorrtllm_backend's since its executor-API
     # rewrite (its GptManager-era versions defaulted to false)
     "enable_kv_cache_reuse": _bool("true", "prefix caching: reuse the KV blocks of prompt prefixes seen before"),
+    # TensorRT-LLM's: "eagle" speculates with the engine's EAGLE-3 draft (num_speculative_tokens "auto"); the
+    # sampling modes are every request's own choice here
+    "decoding_mode": Param("choice", "auto", "eagle: EAGLE-3 speculative decoding with the engine's draft",
+                           choices=("auto", "top_k", "top_p", "top_k_top_p", "beam_search", "eagle")),
     "exclude_input_in_output": _bool("false", "output_ids without the prompt (a request may override)"),
     "max_beam_width": _int(1, "1", "widest beam_width a request may send (at most the engine's max_beam_width)"),
     "cancellation_check_period_ms": _int(1, "100", "how often cancelled requests are looked for"),

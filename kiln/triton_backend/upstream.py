@@ -37,8 +37,6 @@ REFUSED = {
     "lookahead_verification_set_size": ((), "lookahead decoding"),
     "lora_prefetch_dir": ((), "prefetching LoRA adapters from a dir (send lora_weights with a task's first request)"),
     "normalize_log_probs": (("true", "1"), "unnormalized log probabilities"),
-    "decoding_mode": (("auto", "top_k", "top_p", "top_k_top_p", "beam_search"),
-                      "that decoding mode (Kiln samples top-k/top-p and beam-searches per request)"),
     "guided_decoding_backend": (("xgrammar",), "guided decoding backends other than xgrammar"),
 }
 

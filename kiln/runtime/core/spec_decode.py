@@ -58,6 +58,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     draft_engine_dir: str | None = None
     model: str | None = None
+    draft_tensor_parallel_size: int = 1  # vLLM's; an EAGLE-3 draft (one layer) runs whole, whatever the target's TP
 
     @property
     def auto(self) -> bool:
@@ -75,7 +76,7 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
         d = _vllm_names(d)
         keys = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_engine_dir",
-                "model")
+                "model", "draft_tensor_parallel_size")
         unknown = set(d) - set(keys)
         if unknown:
             raise ConfigError(f"speculative_config has unknown key(s) {', '.join(sorted(unknown))}; expected "

@@ -35,17 +35,19 @@ def eagle_engine(hf_model, tmp_path_factory):
 
     cache = {}
 
-    def get(name: str, tp_size: int = 1):
-        if (name, tp_size) not in cache:
+    def get(name: str, tp_size: int = 1, **overrides):
+        key = (name, tp_size, json.dumps(overrides, sort_keys=True))
+        if key not in cache:
             hf = hf_model(name)
             root = tmp_path_factory.mktemp(f"eagle3_{name}_tp{tp_size}")
             target = json.loads((hf / "config.json").read_text())
             n = target["num_hidden_layers"]
             draft = make_draft(root / "draft", target, layer_ids=[1, n // 2, n - 1], draft_vocab_size=256)
             ckpt = convert_checkpoint(hf, root / "ckpt", dtype="float32", tp_size=tp_size, eagle_model_dir=draft)
-            engine = build_engine(ckpt, root / "engine", BuildConfig(**BUILD, backend="eager"), log=lambda *_: None)
-            cache[name, tp_size] = engine, hf, draft
-        return cache[name, tp_size]
+            engine = build_engine(ckpt, root / "engine", BuildConfig(**{**BUILD, **overrides}, backend="eager"),
+                                  log=lambda *_: None)
+            cache[key] = engine, hf, draft
+        return cache[key]
 
     return get
 
@@ -219,6 +221,7 @@ def test_auto_policy_drafts_only_where_it_pays():
     for t in (1, 2, 4, 8, 16, 32, 64):  # memory-bound up to 8 tokens, then linear
         policy.step_cost.record(t, 0.01 * max(1, t / 8))
     policy.draft_cost.record(1, 0.001)
+    assert policy.step_cost.seconds(4, 4) == pytest.approx(0.01)  # until measured: the plain curve's slope
     reqs = [Request(str(i), [1], SamplingParams(), 10) for i in range(16)]
     good, bad = reqs[0], reqs[1]
     for _ in range(30):
@@ -230,10 +233,15 @@ def test_auto_policy_drafts_only_where_it_pays():
     assert policy.choose([good], [2], 0) == [2]  # its limit
     # 16 sequences already fill the step past its memory-bound size: drafts cost more than they save
     assert sum(policy.choose(reqs[2:], [4] * 14, 0)) < 14
+    assert math.isclose(policy.step_cost.seconds(12), 0.015)
+    for _ in range(30):  # verification turns out to cost a plain step per draft token: none pays
+        policy.step_cost.record(1 + 4, 0.01 + 4 * 0.01, drafts=4)
+    assert policy.step_cost.seconds(1, 4) == pytest.approx(0.05, rel=0.01)
+    assert policy.choose([good], [4], 0) == [0]
+    policy.step_cost.per_draft.clear()
     policy.draft_cost.record(1, 1.0)
     policy.draft_cost.points = {1: 1.0}
     assert policy.choose([good], [4], 0) == [0]  # a draft pass slower than a step: none
-    assert math.isclose(policy.step_cost.seconds(12), 0.015)
 
 
 def test_guided_sampled_and_cached_requests_under_eagle3(eagle_engine):
@@ -273,3 +281,18 @@ def test_kiln_run_speculates_and_reports_acceptance(eagle_engine):
     bad = subprocess.run([str(kiln), "run", "--engine_dir", str(engine), "--prompt", "x",
                           "--speculative_config", '{"method": "medusa"}'], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "method 'medusa' is not supported" in bad.stderr
+
+
+def test_lora_requests_under_eagle3(eagle_engine, tmp_path):
+    """Adapters change the target, not the draft: its proposals are the base model's, and what the
+    adapted target verifies is exactly what it emits without speculation."""
+    from kiln.runtime.lora_request import LoRARequest
+    from test_lora import LORA_BUILD, save_adapter
+
+    engine, hf, _ = eagle_engine("llama_4layers", lora_config=LORA_BUILD)
+    adapter = save_adapter(hf, tmp_path / "qv", 8, 16, ["q_proj", "v_proj"])
+    lora = [None, LoRARequest("qv", 1, str(adapter))] * 2
+    want = tokens(LLM(engine).generate(PROMPTS[:4], greedy(20), lora_request=lora))
+    spec = LLM(engine, speculative_config={"method": "eagle3", "num_speculative_tokens": 3})
+    assert tokens(spec.generate(PROMPTS[:4], greedy(20), lora_request=lora)) == want
+    assert spec.llm_engine.core.stats().spec.num_drafts > 0

@@ -13,7 +13,8 @@ or its `eagle_config`): id j is the residual stream entering layer j, the output
 without them, vLLM's default (2, n // 2, n - 3) for an n-layer target.
 
 The draft runs on the core process's CPU in float32 with a paged KV pool of its own (one layer), on
-the op set's reference kernels; it is not sharded under tensor parallelism (one layer, replicated).
+the C++ plugins' ops (eager, not compiled); it is not sharded under tensor parallelism (one layer,
+replicated).
 """
 from __future__ import annotations
 
@@ -148,6 +149,18 @@ def layer_config(hf: dict, dtype: str = "float32") -> PretrainedConfig:
     return pretrained_config_from_hf(plain, dtype)
 
 
+def _families() -> dict[str, str]:
+    """The C++ plugins' attention, norms, rotary and SwiGLU where they load (a draft pass is a few
+    dozen small ops: the reference attention alone takes 25x the C++ op's time), ATen's GEMMs."""
+    from kiln.plugins import cpp
+
+    try:
+        cpp.load()
+    except Exception:  # noqa: BLE001 - no toolchain or no build: the reference ops, slower
+        return dict.fromkeys(GROUPS, "inline")
+    return {**dict.fromkeys(GROUPS, "cpp"), "gemm": "inline"}
+
+
 class Eagle3Draft(nn.Module):
     """The draft layer over one step's flat tokens (the engine's step inputs, kiln/engine/format.py,
     on the draft's own KV pool): `fuse` turns the target's captured states into its hidden input,
@@ -172,8 +185,7 @@ class Eagle3Draft(nn.Module):
         d2t = tensors.get("d2t")
         self.draft_to_target = (torch.arange(shape.draft_vocab_size) if d2t is None else
                                 torch.arange(shape.draft_vocab_size) + d2t.long())
-        ops = OpSet(dict.fromkeys(GROUPS, "inline"))
-        self.ops = ops
+        self.ops = ops = OpSet(_families())
         H, KH, D = config.num_attention_heads, config.num_key_value_heads, config.head_size
         self.layer = AttentionLayer(0, H, KH, D, D ** -0.5, self.eps, 0, 0.0, True, None, False)
         self.attention = make_attention(self.layer, ops, TensorParallel(config, 0), H, KH)
@@ -216,7 +228,7 @@ class Eagle3Draft(nn.Module):
         x = torch.cat([self._rms(embeds, self.input_norm), normed], -1)
         attn = self.attention(F.linear(x, self.qkv), tables["global"], kv_cache, meta)
         residual = residual + F.linear(attn.flatten(1), self.o)
-        gate, up = F.linear(self._rms(residual, self.post_norm), self.gate_up).chunk(2, -1)
-        prenorm = (residual + F.linear(F.silu(gate) * up, self.down))[inputs["logits_index"]]
+        gate_up = F.linear(self._rms(residual, self.post_norm), self.gate_up)
+        prenorm = (residual + F.linear(self.ops.silu_and_mul(gate_up), self.down))[inputs["logits_index"]]
         logits = F.linear(self._rms(prenorm, self.norm), self.lm_head)
         return self.draft_to_target[logits.argmax(-1)], prenorm

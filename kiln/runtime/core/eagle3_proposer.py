@@ -30,31 +30,37 @@ DRAFT_DIR = "eagle3"  # in an engine dir: the draft convert_checkpoint --eagle_m
 
 
 class _Follower:
-    """One target sequence's draft: its draft sequence (tokens shifted by one) and the fused target
-    states of positions [base, base + len(states)) not yet read into the draft's KV."""
+    """One target sequence's draft: its draft sequence (tokens shifted by one) and the target states
+    of the positions not yet read into the draft's KV, as the steps returned them: (first position,
+    rows) chunks, joined only when the draft reads them (a sequence that drafts nothing for many steps
+    costs a slice per step, not a copy of its history)."""
 
     def __init__(self, seq: Sequence):
         req = Request("eagle3", [], SamplingParams(), seq.request.max_tokens)
         self.draft = Sequence(req, 0, [])
-        self.base, self.states = 0, None
+        self.chunks: list[tuple[int, torch.Tensor]] = []
 
     def put(self, start: int, rows: torch.Tensor) -> None:
-        if self.states is None or start < self.base:
-            self.base, self.states = start, rows
-            return
-        keep = self.states[:start - self.base]
-        gap = start - self.base - keep.shape[0]
-        self.states = torch.cat([keep, rows.new_zeros(gap, rows.shape[1]), rows]) if gap else torch.cat([keep, rows])
+        """States from `start` on: what was kept for those positions (rejected drafts') is replaced."""
+        chunks = self.chunks  # in position order: only the last few can reach past start
+        while chunks and chunks[-1][0] >= start:
+            chunks.pop()
+        if chunks and chunks[-1][0] + chunks[-1][1].shape[0] > start:
+            first, chunk = chunks.pop()
+            chunks.append((first, chunk[:start - first]))
+        chunks.append((start, rows))
 
     def take(self, lo: int, hi: int, width: int) -> torch.Tensor:
-        """States of positions [lo, hi) (zeros where none was seen); the rest before hi dropped."""
-        out = torch.zeros(hi - lo, width)
-        if self.states is not None:
-            a, b = max(lo, self.base), min(hi, self.base + self.states.shape[0])
+        """[hi - lo, width] states of positions [lo, hi) (zeros where none was seen); those before hi dropped."""
+        out = torch.zeros(hi - lo, width, dtype=self.chunks[0][1].dtype if self.chunks else torch.float32)
+        rest = []
+        for first, chunk in self.chunks:
+            a, b = max(lo, first), min(hi, first + chunk.shape[0])
             if a < b:
-                out[a - lo:b - lo] = self.states[a - self.base:b - self.base]
-            self.states = self.states[max(hi - self.base, 0):]
-            self.base = max(self.base, hi)
+                out[a - lo:b - lo] = chunk[a - first:b - first]
+            if first + chunk.shape[0] > hi:
+                rest.append((max(first, hi), chunk[max(hi - first, 0):]))
+        self.chunks = rest
         return out
 
 
@@ -82,11 +88,12 @@ class Eagle3Proposer:
         self.followers: dict[int, _Follower] = {}
 
     def observe(self, scheduled: list[tuple[Sequence, int]], captured: torch.Tensor) -> None:
-        """A target step's captured states, [T, 3 * hidden] in the step's token order; called before
-        the step's tokens count as computed."""
-        fused, row = self.draft.fuse(captured), 0
+        """A target step's captured states, [T, 3 * hidden] in the step's token order (kept as they
+        are, fused by `fc` only when the draft reads them); called before the step's tokens count as
+        computed."""
+        row = 0
         for seq, n in scheduled:
-            self._follower(seq).put(seq.num_computed_tokens, fused[row:row + n])
+            self._follower(seq).put(seq.num_computed_tokens, captured[row:row + n])
             row += n
 
     def _follower(self, seq: Sequence) -> _Follower:
@@ -98,7 +105,7 @@ class Eagle3Proposer:
     def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
         drafts = [[] for _ in seqs]
         live, out, hidden = [], SchedulerOutput(), []
-        width = self.draft.shape.hidden_size
+        width = 3 * self.draft.shape.target_hidden_size
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             f = self._follower(seq)
             d, C = f.draft, seq.num_computed_tokens
@@ -110,7 +117,7 @@ class Eagle3Proposer:
             out.scheduled.append((d, n))
             hidden.append(f.take(M, C, width))
             live.append((i, d, k, C))
-        hidden = torch.cat(hidden) if hidden else None
+        hidden = self.draft.fuse(torch.cat(hidden)) if hidden else None
         while out.scheduled:
             plan = plan_step(out, self.kv.tokens_per_block, self.kv.block_tables)
             tokens, prenorm = self.draft(plan.inputs, hidden, self.kv_cache)

@@ -207,7 +207,9 @@ class EngineCore:
                 step.masks = self._fill_masks(step)
                 outputs = self._process(step, self.executor.execute(step.plan.inputs))  # sample and emit
                 if self.spec is not None:
-                    self.spec.policy.step_cost.record(len(step.plan.inputs["input_ids"]), time.perf_counter() - start)
+                    drafts = sum(len(rows) - 1 for _, rows in step.plan.verify)
+                    self.spec.policy.step_cost.record(len(step.plan.inputs["input_ids"]), time.perf_counter() - start,
+                                                      drafts)
         outputs.errors += errors
         return outputs
 

@@ -6,8 +6,9 @@ A fixed num_speculative_tokens drafts that many (as its limits allow). "auto" pi
 - a request's draft j is accepted with probability a_j, the request's running acceptance at position
   j given the one before was accepted, pulled towards the engine's rate at that position while it has
   few verifications of its own; k drafts emit 1 + a_1 + a_1 a_2 + ... tokens in expectation;
-- a step of T tokens costs `StepCost.seconds(T)`, measured when the engine starts (T = 1, 2, 4, ...
-  tokens in one step) and kept up to date from the steps it runs; drafting costs the proposer's
+- a step costs `StepCost.seconds`: its plain tokens' cost, measured when the engine starts (T = 1,
+  2, 4, ... tokens in one step) and kept up to date from the plain steps it runs, plus what each
+  draft token verified has cost in the speculating steps it ran; drafting costs the proposer's
   measured seconds per drafting pass.
 
 Adding drafts in order of their expected gain, the policy keeps the count that maximizes expected
@@ -25,33 +26,68 @@ PRIOR_WEIGHT = 4.0  # verifications of its own before a request's rate counts as
 EMA = 0.2  # weight of a new timing
 
 
-class StepCost:
-    """Seconds per step by its token count, interpolated between measured counts."""
+class Curve:
+    """Seconds by a count (tokens, sequences), interpolated between the counts measured."""
 
     def __init__(self):
         self.points: dict[int, float] = {}
+        self.xs: list[int] = []
 
-    def record(self, tokens: int, seconds: float) -> None:
-        old = self.points.get(tokens)
-        self.points[tokens] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+    def record(self, x: int, seconds: float) -> None:
+        old = self.points.get(x)
+        if old is None:
+            bisect.insort(self.xs, x)
+        self.points[x] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
-    def seconds(self, tokens: int) -> float:
-        xs = sorted(self.points)
+    def __call__(self, x: int) -> float:
+        xs, points = self.xs, self.points
         if not xs:
             return 0.0
-        i = bisect.bisect_left(xs, tokens)
-        if i < len(xs) and xs[i] == tokens:
-            return self.points[tokens]
+        if x in points:
+            return points[x]
+        i = bisect.bisect_left(xs, x)
         if i == 0:
-            return self.points[xs[0]]
-        if i == len(xs):  # past the largest measured: linear in the tokens from the two largest
+            return points[xs[0]]
+        if i == len(xs):  # past the largest measured: linear from the two largest
             if len(xs) == 1:
-                return self.points[xs[-1]] * tokens / xs[-1]
+                return points[xs[-1]] * x / xs[-1]
             x0, x1 = xs[-2], xs[-1]
         else:
             x0, x1 = xs[i - 1], xs[i]
-        y0, y1 = self.points[x0], self.points[x1]
-        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+        return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
+
+
+class StepCost:
+    """Seconds of a step: `plain` by its tokens (measured at start, then from the steps run without
+    drafts), plus, per draft token verified, what the speculating steps run have cost beyond the
+    plain step of their other tokens (verification and its context-phase attention included), by
+    the size of that plain step (powers of two); until then, the plain curve's slope."""
+
+    def __init__(self):
+        self.plain = Curve()
+        self.per_draft: dict[int, float] = {}
+
+    @staticmethod
+    def _bucket(tokens: int) -> int:
+        return 1 << max(tokens - 1, 0).bit_length()
+
+    def record(self, tokens: int, seconds: float, drafts: int = 0) -> None:
+        if not drafts:
+            self.plain.record(tokens, seconds)
+            return
+        base = tokens - drafts
+        sample = max(seconds - self.plain(base), 0.0) / drafts
+        key = self._bucket(base)
+        old = self.per_draft.get(key)
+        self.per_draft[key] = sample if old is None else (1 - EMA) * old + EMA * sample
+
+    def seconds(self, tokens: int, drafts: int = 0) -> float:
+        if not drafts:
+            return self.plain(tokens)
+        per = self.per_draft.get(self._bucket(tokens))
+        if per is None:
+            per = max(self.plain(tokens + drafts) - self.plain(tokens), 0.0) / drafts
+        return self.plain(tokens) + drafts * per
 
 
 class Acceptance:
@@ -83,7 +119,7 @@ class DraftPolicy:
     def __init__(self, auto: bool, max_draft: int, stats: SpecStats):
         self.auto, self.max_draft = auto, max_draft
         self.step_cost = StepCost()
-        self.draft_cost = StepCost()  # seconds per drafting pass, by the sequences drafting
+        self.draft_cost = Curve()  # seconds per drafting pass, by the sequences drafting
         self.acceptance = Acceptance(stats, max_draft)
 
     def choose(self, reqs: list, limits: list[int], other_tokens: int) -> list[int]:
@@ -99,12 +135,13 @@ class DraftPolicy:
         gains.sort(key=lambda g: -g[0])
         base = len(reqs) + other_tokens
         best_rate, best_n = len(reqs) / max(self.step_cost.seconds(base), 1e-9), 0
-        expected, depth, drafting = float(len(reqs)), [0] * len(reqs), 0
+        expected, depth, drafting, deepest = float(len(reqs)), [0] * len(reqs), 0, 0
         for n, (gain, i, _) in enumerate(gains, 1):
             drafting += depth[i] == 0
             depth[i] += 1
+            deepest = max(deepest, depth[i])
             expected += gain
-            seconds = self.step_cost.seconds(base + n) + max(depth) * self.draft_cost.seconds(drafting)
+            seconds = self.step_cost.seconds(base, n) + deepest * self.draft_cost(drafting)
             if expected / seconds > best_rate:
                 best_rate, best_n = expected / seconds, n
         ks = [0] * len(reqs)

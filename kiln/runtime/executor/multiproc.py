@@ -212,7 +212,8 @@ class MultiprocExecutor(Executor):
                 if message[0] == "result" and rank == self.result_rank:
                     n, self._collected = self._collected, self._collected + 1
                     out = (self.results.read(n) if message[1] is None else decode(message[1]))[1]
-                    return (out["logits"], out["captured"]) if "captured" in out else out["logits"]
+                    # the captured states outlive the ring slot they arrived in (the draft reads them later)
+                    return (out["logits"], out["captured"].clone()) if "captured" in out else out["logits"]
                 raise self._fail(message[2] if message[0] == "error" else f"rank {rank} sent {message[0]!r}")
 
     def shutdown(self) -> None:

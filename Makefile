@@ -50,12 +50,15 @@ test: install $(VENV5)/.installed $(PROMETHEUS)
 # The default model: a 6M-parameter Llama trained on the standard library's source by
 # examples/train_default_model.py (see models/kiln-tiny-stdlib/README.md).
 demo: install
-	$(VENV)/bin/convert_checkpoint --model_dir $(MODEL) --output_dir $(DEMO)/checkpoint --dtype bfloat16
+	$(VENV)/bin/convert_checkpoint --model_dir $(MODEL) --output_dir $(DEMO)/checkpoint --dtype bfloat16 \
+		--eagle_model_dir $(MODEL)-eagle3
 	$(VENV)/bin/engine-build --checkpoint_dir $(DEMO)/checkpoint --output_dir $(DEMO)/engine \
 		--max_batch_size 8 --max_input_len 256 --max_seq_len 512 --max_num_tokens 512
 	$(VENV)/bin/kiln run --engine_dir $(DEMO)/engine --max_tokens 64 \
 		--temperature 0.7 --top_p 0.9 --repetition_penalty 1.1 --seed 0 \
 		--prompt 'def fibonacci(n):' --prompt 'class Stack:'
+	$(VENV)/bin/kiln run --engine_dir $(DEMO)/engine --max_tokens 64 --prompt 'def parse_args(argv):' \
+		--speculative_config '{"method": "eagle3", "num_speculative_tokens": 3}'
 
 clean:
 	rm -rf $(DEMO) $(VENV) $(VENV5) .prometheus

@@ -154,14 +154,24 @@ def test_drafts_equal_a_plain_torch_eagle3(eagle_engine, monkeypatch):
         assert drafts == reference_drafts(hf, draft, token_ids, k)
 
 
-def test_trained_default_head_is_accepted():
-    """The head shipped with the default model drafts what the model then emits, more often than not."""
-    pytest.importorskip("safetensors")
-    root = Path(__file__).parents[1] / "models"
-    if not (root / "kiln-tiny-stdlib-eagle3" / "config.json").is_file():
-        pytest.skip("no trained head")
-    log = json.loads((root / "kiln-tiny-stdlib-eagle3" / "training_log.json").read_text())
-    assert log
+def test_the_default_models_trained_head_is_accepted(tmp_path):
+    """models/kiln-tiny-stdlib-eagle3 (examples/train_eagle3.py) on its model, converted and built as
+    `make demo` does: on code it was not trained on, most steps accept drafts (held out at training:
+    2.19 tokens per step at k = 3)."""
+    from kiln.build.builder import build_engine
+    from kiln.convert.cli import convert_checkpoint
+
+    models = Path(__file__).resolve().parents[1] / "models"
+    ckpt = convert_checkpoint(models / "kiln-tiny-stdlib", tmp_path / "ckpt", dtype="bfloat16",
+                              eagle_model_dir=models / "kiln-tiny-stdlib-eagle3")
+    engine = build_engine(ckpt, tmp_path / "engine", BuildConfig(**BUILD, backend="eager"), log=lambda *_: None)
+    prompts = ["def parse_args(argv):\n    ", "class Queue:\n    def __init__(self, maxsize=0):\n",
+               "    for key, value in sorted(items):\n"]
+    llm = LLM(engine, speculative_config={"method": "eagle3", "num_speculative_tokens": 3})
+    llm.generate(prompts, greedy(48))
+    spec = llm.llm_engine.core.stats().spec
+    assert 1 + spec.num_accepted_tokens / spec.num_drafts > 1.8, spec
+    assert spec.accepted_per_pos[0] > spec.accepted_per_pos[2] > 0
 
 
 def test_bad_drafts_are_refused_before_serving(eagle_engine, hf_model, engine, tmp_path):
@@ -188,6 +198,8 @@ def test_bad_drafts_are_refused_before_serving(eagle_engine, hf_model, engine, t
     other = make_draft(tmp_path / "other", target, layer_ids=[3, 2, 1])
     with pytest.raises(ConfigError, match=r"reads target layers \[2, 1, 0\]"):
         LLM(eagle_engine("llama_4layers")[0], speculative_config={"method": "eagle3", "model": str(other)})
+    with pytest.raises(ConfigError, match="as published; convert it beside its target"):
+        LLM(eagle_engine("llama_4layers")[0], speculative_config={"method": "eagle3", "model": str(draft)})
 
 
 @pytest.mark.parametrize("config,message", [

@@ -221,3 +221,21 @@ def test_a_stub_that_cannot_start_its_interpreter_is_named_in_one_line():
     said = []
     relay_output(io.StringIO("starting\n" + error * 3), {"PATH": "/usr/bin"}, said.append)
     assert len(said) == 1 and "could not start its interpreter" in said[0] and "/usr/bin/python3" in said[0]
+
+
+def test_decoding_mode_eagle_turns_eagle3_on(engine_dir):
+    """TensorRT-LLM's decoding_mode, in Kiln's repository and in a config written for its backend: eagle
+    speculates with the engine's EAGLE-3 draft; modes Kiln lacks fail the load, naming what it takes."""
+    from kiln.triton_backend import upstream
+    from kiln.triton_backend.parameters import ParamError
+
+    assert parse("decoding_mode", "eagle") == "eagle" and parse("decoding_mode", "top_k_top_p") == "top_k_top_p"
+    values, _ = upstream.read_parameters({"gpt_model_path": {"string_value": str(engine_dir)},
+                                          "decoding_mode": {"string_value": "eagle"}}, ["gpt_model_path", "decoding_mode"])
+    assert values["decoding_mode"] == "eagle"
+    with pytest.raises(ParamError, match="decoding_mode: expected auto or .* or eagle, got .medusa."):
+        upstream.read_parameters({"gpt_model_path": {"string_value": str(engine_dir)},
+                                  "decoding_mode": {"string_value": "medusa"}}, ["gpt_model_path", "decoding_mode"])
+    with pytest.raises(ParamError, match="eagle_choices"):
+        upstream.read_parameters({"gpt_model_path": {"string_value": str(engine_dir)},
+                                  "eagle_choices": {"string_value": "[[0]]"}}, ["gpt_model_path"])

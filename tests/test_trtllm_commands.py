@@ -51,8 +51,14 @@ DOCS = {
         "trtllm-build --checkpoint_dir {ckpt} --output_dir {engine} --gemm_plugin auto --lora_plugin auto "
         "--max_batch_size 8 --max_input_len 512 --max_seq_len 562 --lora_dir  \"{lora_a}\" \"{lora_b}\" "
         "--max_lora_rank 8 --lora_target_modules attn_q attn_k attn_v"),
+    "eagle": (
+        "TensorRT-LLM/examples/eagle/README.md (an EAGLE-3 draft in place of its EAGLE-1 one)",
+        "python convert_checkpoint.py --model_dir {model} --eagle_model_dir {draft} --output_dir {ckpt} "
+        "--dtype float16 --max_draft_len 63 --num_eagle_layers 4 --max_non_leaves_per_layer 10",
+        "trtllm-build --checkpoint_dir {ckpt} --output_dir {engine} --gemm_plugin float16 "
+        "--use_paged_context_fmha enable --speculative_decoding_mode eagle --max_batch_size 4"),
 }
-MODEL_OF = {"mixtral_ep": "mixtral"}
+MODEL_OF = {"mixtral_ep": "mixtral", "eagle": "llama_4layers"}
 PROMPTS = [[5, 17, 33, 8], [100, 7, 250, 3, 99, 12]]
 # Run in `python -c` by a fresh interpreter: argv[1] is {"engine", "args", "lora", "prompts", "api"}.
 GENERATE = """
@@ -124,12 +130,16 @@ def lora_dirs(hf_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def doc_engines(hf_model, lora_dirs, tmp_path_factory) -> dict:
     """name -> (engine dir, the commands' output): each documented pair run as its users type it."""
+    from eagle3_drafts import make_draft
+
     root = tmp_path_factory.mktemp("doc_lines")
+    eagle_target = hf_model(MODEL_OF["eagle"])
+    draft = make_draft(root / "eagle3_draft", json.loads((eagle_target / "config.json").read_text()))
 
     def build(name):
         _, convert, build_line = DOCS[name]
         paths = dict(model=hf_model(MODEL_OF.get(name, "llama")), ckpt=root / name / "ckpt",
-                     engine=root / name / "engine", **lora_dirs)
+                     engine=root / name / "engine", draft=draft, **lora_dirs)
         out = run(as_kiln(convert, paths), stderr=True)
         return paths["engine"], out + run(as_kiln(build_line, paths))
 
@@ -169,6 +179,12 @@ def test_documented_lines_build_engines_that_generate(name, doc_engines, fresh):
                                               "kv_cache_quant_algo": "INT8"}
     if name == "mixtral_ep":
         assert pretrained["mapping"]["moe_ep_size"] == 2 and pretrained["mapping"]["world_size"] == 2
+    if name == "eagle":
+        assert build["speculative_decoding_mode"] == "eagle3" and build["hidden_state_layers"] == [0, 1, 2]
+        assert "--num_eagle_layers: Kiln's EAGLE-3 drafts a chain" in output
+        assert "--speculative_decoding_mode eagle: an engine built from a checkpoint with an EAGLE-3 draft" in output
+        spec = {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3}}
+        assert generate_fresh(engine_dir, args=spec) == tokens  # greedy: what the engine emits without drafts
     if name == "lora":
         assert build["lora_config"] == {"max_lora_rank": 8, "lora_target_modules": ["attn_q", "attn_k", "attn_v"]}
         assert generate_here(engine_dir, lora=None) != tokens  # the adapter changes what is generated

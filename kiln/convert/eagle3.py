@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from kiln.config import ConfigError, PretrainedConfig, torch_dtype
 from kiln.convert.hf import HFWeights
 from kiln.convert.shard import HF_EMBED
-from kiln.models.eagle3 import WEIGHTS, check_target, check_tensors, draft_shape, read_tensors
+from kiln.convert.hf_config import pretrained_config_from_hf
+from kiln.models.eagle3 import LAYER_CONFIG, WEIGHTS, check_target, check_tensors, draft_shape, layer_hf_config, read_tensors
 from kiln.utils import replace_dir
 
 DRAFT_DIR = "eagle3"
@@ -41,7 +42,8 @@ def read_draft(draft_dir: Path, target: PretrainedConfig, target_dir: Path) -> t
     if target.mapping.pp_size > 1:
         raise ConfigError(f"{where}: EAGLE-3 with pipeline parallelism (pp_size {target.mapping.pp_size}) is not "
                           f"supported; the draft reads layers of every stage")
-    hf = {**hf, "eagle_aux_hidden_state_layer_ids": list(shape.aux_layer_ids)}
+    layer = pretrained_config_from_hf(layer_hf_config(hf), "float32", where=path)
+    hf = {**hf, "eagle_aux_hidden_state_layer_ids": list(shape.aux_layer_ids), LAYER_CONFIG: layer.to_dict()}
     return hf, tensors
 
 

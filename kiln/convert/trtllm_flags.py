@@ -50,6 +50,10 @@ def click_options() -> list:
         click.option("--remove_duplicated_kv_heads", **flag),
         click.option("--save_config_only", **flag),
         click.option("--log_level", type=click.Choice(LOG_LEVELS), default="info", hidden=True),
+        # TensorRT-LLM's EAGLE example's: EAGLE-1/2's draft tree, set at conversion there
+        click.option("--max_draft_len", type=int, default=None, hidden=True),
+        click.option("--num_eagle_layers", type=int, default=None, hidden=True),
+        click.option("--max_non_leaves_per_layer", type=int, default=None, hidden=True),
         *[click.option(f"--{name}", default=None, hidden=True) for name in DUMMY_MODEL],
     ]
 
@@ -144,6 +148,9 @@ def notes(flags: dict) -> list[str]:
         "embedding_sharding_dim": "the embedding is split along the vocabulary (0)",
         "use_embedding_sharing": "a tied lm_head is written as the embedding's copy; the engine keeps one table",
         "remove_duplicated_kv_heads": "KV heads are replicated only where tp_size exceeds them",
+        "max_draft_len": "the tokens drafted per step are speculative_config's num_speculative_tokens, at run time",
+        "num_eagle_layers": "Kiln's EAGLE-3 drafts a chain, as deep as speculative_config asks, not an EAGLE-2 tree",
+        "max_non_leaves_per_layer": "Kiln's EAGLE-3 drafts a chain, not an EAGLE-2 tree",
     }
     out += [f"--{name}: {text}" for name, text in said.items() if flags[name] not in (None, False)]
     given = [n for n in DUMMY_MODEL if flags[n] is not None]

@@ -140,13 +140,16 @@ def check_tensors(tensors: dict, shape: DraftShape, hf: dict, where) -> None:
             raise ConfigError(f"{where}: d2t maps draft tokens outside the target vocabulary [0, {shape.vocab_size})")
 
 
-def layer_config(hf: dict, dtype: str = "float32") -> PretrainedConfig:
-    """The draft's layer as a one-layer Llama (its rotary tables and attention shape)."""
-    from kiln.convert.hf_config import pretrained_config_from_hf
+LAYER_CONFIG = "kiln_layer_config"  # in a converted draft's config.json: its layer as a Kiln PretrainedConfig
 
-    plain = {k: v for k, v in hf.items() if k not in ("eagle_config", "draft_vocab_size", "target_hidden_size")}
+
+def layer_hf_config(hf: dict) -> dict:
+    """The draft's layer as a one-layer Llama's HF config (its rotary tables and attention shape),
+    which the converter reads into LAYER_CONFIG."""
+    plain = {k: v for k, v in hf.items() if k not in ("eagle_config", "draft_vocab_size", "target_hidden_size",
+                                                      LAYER_CONFIG)}
     plain.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1)
-    return pretrained_config_from_hf(plain, dtype)
+    return plain
 
 
 def _families() -> dict[str, str]:
@@ -170,7 +173,7 @@ class Eagle3Draft(nn.Module):
     def __init__(self, hf: dict, shape: DraftShape, tensors: dict):
         super().__init__()
         self.shape = shape
-        self.config = config = layer_config(hf)
+        self.config = config = PretrainedConfig.from_dict(hf[LAYER_CONFIG])
         t = {k: v.float() for k, v in tensors.items() if k not in ("d2t", "t2d")}
         self.eps = config.norm_epsilon
         self.fc, self.embed, self.lm_head, self.norm = t["fc.weight"], t["embed_tokens.weight"], t["lm_head.weight"], t["norm.weight"]
@@ -199,6 +202,10 @@ class Eagle3Draft(nn.Module):
         hf = read_json(draft_dir / "config.json")
         shape = draft_shape(hf, target.num_hidden_layers, draft_dir / "config.json")
         check_target(shape, target, draft_dir)
+        if LAYER_CONFIG not in hf:
+            raise ConfigError(f"{draft_dir}: an EAGLE-3 draft as published; convert it beside its target with "
+                              f"convert_checkpoint --eagle_model_dir (or serve the Hugging Face target with "
+                              f"speculative_config model, which converts both)")
         tensors = read_tensors(draft_dir)
         if "embed_tokens.weight" not in tensors and embeddings_from is not None and embeddings_from.is_dir():
             tensors["embed_tokens.weight"] = read_tensors(embeddings_from)["embed_tokens.weight"]

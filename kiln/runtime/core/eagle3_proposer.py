@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import ConfigError
-from kiln.models.eagle3 import Eagle3Draft
+from kiln.config import ConfigError, read_json
+from kiln.models.eagle3 import Eagle3Draft, draft_shape
 from kiln.runtime.core.kv_cache_manager import KVCacheManager
 from kiln.runtime.core.request import Request, Sequence
 from kiln.runtime.core.scheduler import SchedulerOutput
@@ -73,12 +73,13 @@ class Eagle3Proposer:
                               f"rebuild it")
         bundled = Path(target_dir) / DRAFT_DIR
         draft_dir = Path(model) if model else bundled
-        self.draft = Eagle3Draft.load(draft_dir, target_config.pretrained_config, bundled)
-        captured = self.draft.shape.captured_layers
+        hf = read_json(draft_dir / "config.json")
+        captured = draft_shape(hf, target_config.pretrained_config.num_hidden_layers, draft_dir).captured_layers
         if captured != build.hidden_state_layers:
             raise ConfigError(f"EAGLE-3 draft {draft_dir} reads target layers {captured} (outputs), the engine "
                               f"{target_dir} returns layers {build.hidden_state_layers}: rebuild the engine "
                               f"from a checkpoint converted with this draft")
+        self.draft = Eagle3Draft.load(draft_dir, target_config.pretrained_config, bundled)
         tpb = build.tokens_per_block
         # As many tokens as the target's pool holds, and a block per sequence for drafts past its last
         blocks_per_seq = build.max_blocks_per_seq + 1

@@ -24,6 +24,7 @@ from kiln.runtime.messages import SpecStats
 
 PRIOR_WEIGHT = 4.0  # verifications of its own before a request's rate counts as much as the engine's
 EMA = 0.2  # weight of a new timing
+RECHECK_STEPS = 15  # steps the requests of a batch whose drafts did not pay run plainly before they are weighed again
 
 
 class Curve:
@@ -105,14 +106,16 @@ class Acceptance:
             counts[1][j] += 1
             counts[0][j] += j < num_accepted
 
-    def rates(self, req) -> list[float]:
-        """a_j: P(draft j accepted | draft j - 1 accepted)."""
-        out = []
-        for j, tried in enumerate(self.tried):
-            engine = (self.stats.accepted_per_pos[j] + 1) / (tried + 2)
-            mine, n = (0, 0) if req.spec_counts is None else (req.spec_counts[0][j], req.spec_counts[1][j])
-            out.append((mine + PRIOR_WEIGHT * engine) / (n + PRIOR_WEIGHT))
-        return out
+    def engine_rates(self) -> list[float]:
+        return [(accepted + 1) / (tried + 2) for accepted, tried in zip(self.stats.accepted_per_pos, self.tried)]
+
+    def rates(self, req, engine: list[float] | None = None) -> list[float]:
+        """a_j: P(draft j accepted | draft j - 1 accepted); engine: engine_rates(), if at hand."""
+        engine = engine or self.engine_rates()
+        if req.spec_counts is None:
+            return engine
+        accepted, tried = req.spec_counts
+        return [(a + PRIOR_WEIGHT * e) / (n + PRIOR_WEIGHT) for a, n, e in zip(accepted, tried, engine)]
 
 
 class DraftPolicy:
@@ -121,22 +124,28 @@ class DraftPolicy:
         self.step_cost = StepCost()
         self.draft_cost = Curve()  # seconds per drafting pass, by the sequences drafting
         self.acceptance = Acceptance(stats, max_draft)
+        self.idle, self.idle_batch = 0, ()
 
     def choose(self, reqs: list, limits: list[int], other_tokens: int) -> list[int]:
         """Drafts per sequence (each at most its limit); other_tokens: what else the step computes."""
         if not self.auto:
             return [min(self.max_draft, lim) for lim in limits]
-        gains = []  # (expected tokens it adds, sequence, its draft index)
+        batch = tuple(map(id, reqs))
+        if self.idle > 0 and batch == self.idle_batch:  # nothing paid a moment ago for these requests
+            self.idle -= 1
+            return [0] * len(reqs)
+        engine = self.acceptance.engine_rates()
+        gains = []  # (expected tokens it adds, sequence)
         for i, (req, lim) in enumerate(zip(reqs, limits)):
             p = 1.0
-            for j, a in enumerate(self.acceptance.rates(req)[:lim]):
+            for a in self.acceptance.rates(req, engine)[:lim]:
                 p *= a
-                gains.append((p, i, j))
+                gains.append((p, i))
         gains.sort(key=lambda g: -g[0])
         base = len(reqs) + other_tokens
         best_rate, best_n = len(reqs) / max(self.step_cost.seconds(base), 1e-9), 0
         expected, depth, drafting, deepest = float(len(reqs)), [0] * len(reqs), 0, 0
-        for n, (gain, i, _) in enumerate(gains, 1):
+        for n, (gain, i) in enumerate(gains, 1):
             drafting += depth[i] == 0
             depth[i] += 1
             deepest = max(deepest, depth[i])
@@ -145,8 +154,11 @@ class DraftPolicy:
             if expected / seconds > best_rate:
                 best_rate, best_n = expected / seconds, n
         ks = [0] * len(reqs)
-        for _, i, _ in gains[:best_n]:
+        for _, i in gains[:best_n]:
             ks[i] += 1
+        # Deciding costs Python time per sequence each step: with nothing to draft, the same requests are
+        # not weighed again for a few steps (the plain step's speed, less a sixteenth of a decision).
+        self.idle, self.idle_batch = (RECHECK_STEPS, batch) if not best_n else (0, ())
         return ks
 
     def timed_propose(self, propose, seqs: list, ks: list[int]) -> list[list[int]]:

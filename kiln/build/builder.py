@@ -74,8 +74,7 @@ def _record_tactics(build: BuildConfig, ranks: list, log, verbose: bool) -> None
 def _eagle3_draft(checkpoint_dir: Path, pretrained: PretrainedConfig, build: BuildConfig, log) -> Path | None:
     """A checkpoint with an EAGLE-3 draft (convert_checkpoint --eagle_model_dir) builds an engine that
     also returns the target layers' outputs the draft reads; the draft goes into the engine dir."""
-    from kiln.convert.eagle3 import DRAFT_DIR
-    from kiln.models.eagle3 import check_target, draft_shape
+    from kiln.models.eagle3 import DRAFT_DIR, check_target, draft_shape
 
     draft = checkpoint_dir / DRAFT_DIR
     if not draft.is_dir():

@@ -12,17 +12,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from kiln.config import ConfigError, PretrainedConfig, torch_dtype
 from kiln.convert.hf import HFWeights
-from kiln.convert.shard import HF_EMBED
 from kiln.convert.hf_config import pretrained_config_from_hf
-from kiln.models.eagle3 import LAYER_CONFIG, WEIGHTS, check_target, check_tensors, draft_shape, layer_hf_config, read_tensors
+from kiln.convert.shard import HF_EMBED
+from kiln.models.eagle3 import (DRAFT_DIR, LAYER_CONFIG, WEIGHTS, check_target, check_tensors, draft_shape,
+                                layer_hf_config, read_tensors)
 from kiln.utils import replace_dir
-
-DRAFT_DIR = "eagle3"
 
 
 def read_draft(draft_dir: Path, target: PretrainedConfig, target_dir: Path) -> tuple[dict, dict]:

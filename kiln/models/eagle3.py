@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -34,6 +35,7 @@ from kiln.models.ops.op_set import GROUPS, OpSet
 from kiln.models.parallel import TensorParallel
 
 WEIGHTS = "model.safetensors"
+DRAFT_DIR = "eagle3"  # a converted draft, in a checkpoint dir (convert_checkpoint --eagle_model_dir) and an engine dir
 # Published names -> ours: the one layer is "midlayer." in EAGLE's own checkpoints, "layers.0." in others.
 _LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")
 
@@ -185,9 +187,9 @@ class Eagle3Draft(nn.Module):
         self.o = t[a + "o_proj.weight"]
         self.gate_up = torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]])
         self.down = t[p + "mlp.down_proj.weight"]
-        d2t = tensors.get("d2t")
-        self.draft_to_target = (torch.arange(shape.draft_vocab_size) if d2t is None else
-                                torch.arange(shape.draft_vocab_size) + d2t.long())
+        self.draft_to_target = torch.arange(shape.draft_vocab_size)
+        if "d2t" in tensors:
+            self.draft_to_target += tensors["d2t"].long()
         self.ops = ops = OpSet(_families())
         H, KH, D = config.num_attention_heads, config.num_key_value_heads, config.head_size
         self.layer = AttentionLayer(0, H, KH, D, D ** -0.5, self.eps, 0, 0.0, True, None, False)
@@ -195,12 +197,18 @@ class Eagle3Draft(nn.Module):
         self.rotary = rope.RotaryTables(config)
 
     @classmethod
-    def load(cls, draft_dir, target: PretrainedConfig, embeddings_from: Path | None = None) -> Eagle3Draft:
-        """embeddings_from: a converted draft of the same target whose embedding table a published
-        draft (which has none) takes."""
+    def load(cls, draft_dir, target: PretrainedConfig, layers: list[int], embeddings_from: Path | None = None
+             ) -> Eagle3Draft:
+        """layers: the target layers the engine returns (the draft must read those); embeddings_from:
+        a converted draft of the same target whose embedding table a published draft (which has none)
+        takes."""
         draft_dir = Path(draft_dir)
         hf = read_json(draft_dir / "config.json")
         shape = draft_shape(hf, target.num_hidden_layers, draft_dir / "config.json")
+        if shape.captured_layers != layers:
+            raise ConfigError(f"EAGLE-3 draft {draft_dir} reads target layers {shape.captured_layers} (outputs), the "
+                              f"engine returns layers {layers}: rebuild the engine from a checkpoint converted with "
+                              f"this draft")
         check_target(shape, target, draft_dir)
         if LAYER_CONFIG not in hf:
             raise ConfigError(f"{draft_dir}: an EAGLE-3 draft as published; convert it beside its target with "
@@ -208,7 +216,8 @@ class Eagle3Draft(nn.Module):
                               f"speculative_config model, which converts both)")
         tensors = read_tensors(draft_dir)
         if "embed_tokens.weight" not in tensors and embeddings_from is not None and embeddings_from.is_dir():
-            tensors["embed_tokens.weight"] = read_tensors(embeddings_from)["embed_tokens.weight"]
+            with safe_open(str(embeddings_from / WEIGHTS), "pt") as f:  # that tensor only
+                tensors["embed_tokens.weight"] = f.get_tensor("embed_tokens.weight")
         check_tensors(tensors, shape, hf, draft_dir)
         return cls(hf, shape, tensors)
 

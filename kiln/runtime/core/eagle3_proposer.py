@@ -18,16 +18,13 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import ConfigError, read_json
-from kiln.models.eagle3 import Eagle3Draft, draft_shape
+from kiln.config import ConfigError
+from kiln.models.eagle3 import DRAFT_DIR, Eagle3Draft
 from kiln.runtime.core.kv_cache_manager import KVCacheManager
 from kiln.runtime.core.request import Request, Sequence
 from kiln.runtime.core.scheduler import SchedulerOutput
 from kiln.runtime.core.step_plan import plan_step
 from kiln.runtime.sampling_params import SamplingParams
-
-DRAFT_DIR = "eagle3"  # in an engine dir: the draft convert_checkpoint --eagle_model_dir converted
-
 
 class _Follower:
     """One target sequence's draft: its draft sequence (tokens shifted by one) and the target states
@@ -72,14 +69,8 @@ class Eagle3Proposer:
                               f"states): convert the model with convert_checkpoint --eagle_model_dir DRAFT and "
                               f"rebuild it")
         bundled = Path(target_dir) / DRAFT_DIR
-        draft_dir = Path(model) if model else bundled
-        hf = read_json(draft_dir / "config.json")
-        captured = draft_shape(hf, target_config.pretrained_config.num_hidden_layers, draft_dir).captured_layers
-        if captured != build.hidden_state_layers:
-            raise ConfigError(f"EAGLE-3 draft {draft_dir} reads target layers {captured} (outputs), the engine "
-                              f"{target_dir} returns layers {build.hidden_state_layers}: rebuild the engine "
-                              f"from a checkpoint converted with this draft")
-        self.draft = Eagle3Draft.load(draft_dir, target_config.pretrained_config, bundled)
+        self.draft = Eagle3Draft.load(Path(model) if model else bundled, target_config.pretrained_config,
+                                      build.hidden_state_layers, bundled)
         tpb = build.tokens_per_block
         # As many tokens as the target's pool holds, and a block per sequence for drafts past its last
         blocks_per_seq = build.max_blocks_per_seq + 1
@@ -117,13 +108,13 @@ class Eagle3Proposer:
                 continue  # no room: the target decodes it plainly this step
             out.scheduled.append((d, n))
             hidden.append(f.take(M, C, width))
-            live.append((i, d, k, C))
+            live.append((i, k))
         hidden = self.draft.fuse(torch.cat(hidden)) if hidden else None
         while out.scheduled:
             plan = plan_step(out, self.kv.tokens_per_block, self.kv.block_tables)
             tokens, prenorm = self.draft(plan.inputs, hidden, self.kv_cache)
             nxt, rows = SchedulerOutput(), []
-            for j, ((d, n), (i, _, k, _)) in enumerate(zip(out.scheduled, live)):
+            for j, ((d, n), (i, k)) in enumerate(zip(out.scheduled, live)):
                 d.num_computed_tokens += n
                 token = int(tokens[j])
                 d.token_ids.append(token)
@@ -131,7 +122,7 @@ class Eagle3Proposer:
                 if len(drafts[i]) < k:
                     nxt.scheduled.append((d, 1))
                     rows.append(j)
-            live = [entry for entry in live if len(drafts[entry[0]]) < entry[2]]
+            live = [(i, k) for i, k in live if len(drafts[i]) < k]
             out, hidden = nxt, prenorm[rows]
         for seq in seqs:  # the draft's own positions are rewritten from the target's states next time
             f = self.followers[seq]

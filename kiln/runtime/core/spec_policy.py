@@ -150,7 +150,7 @@ class DraftPolicy:
             depth[i] += 1
             deepest = max(deepest, depth[i])
             expected += gain
-            seconds = self.step_cost.seconds(base, n) + deepest * self.draft_cost(drafting)
+            seconds = max(self.step_cost.seconds(base, n) + deepest * self.draft_cost(drafting), 1e-9)
             if expected / seconds > best_rate:
                 best_rate, best_n = expected / seconds, n
         ks = [0] * len(reqs)
